@@ -1,0 +1,129 @@
+"""patches/series, the DEP-3 headers of each patch, and applying one patch with an error that names it."""
+
+import os
+import re
+import subprocess
+
+from . import ForkBuildError
+
+# DEP-3 fields every patch of the fork carries; each tuple is "one of".
+REQUIRED_FIELDS = (("Description", "Subject"), ("Origin", "Author", "From"), ("Bug", ), ("Forwarded", ),
+                   ("Last-Update", ))
+HUNK_RE = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
+
+
+def read_series(patches_dir):
+    """Names listed in patches/series, checked against the .patch files present."""
+    path = os.path.join(patches_dir, "series")
+    if not os.path.isfile(path):
+        raise ForkBuildError(f"{path}: missing (it lists the patches in the order they apply)")
+    names = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            name = line.split("#", 1)[0].strip()
+            if not name:
+                continue
+            if name in names:
+                raise ForkBuildError(f"{path}:{lineno}: {name} is listed twice")
+            if not os.path.isfile(os.path.join(patches_dir, name)):
+                raise ForkBuildError(f"{path}:{lineno}: {name} is listed but there is no file {patches_dir}/{name}")
+            names.append(name)
+    unlisted = sorted(set(n for n in os.listdir(patches_dir) if n.endswith(".patch")) - set(names))
+    if unlisted:
+        raise ForkBuildError(f"{path}: patch file(s) not listed in series: {', '.join(unlisted)}. "
+                             "Add them to series or delete them.")
+    return names
+
+
+def split_patch(text):
+    """(header, diff): the header is everything before the first diff line."""
+    m = re.search(r"(?m)^(diff --git |--- )", text)
+    if m is None:
+        return text, ""
+    head = text[:m.start()]
+    head = re.sub(r"(?m)^---\n\Z", "", head)  # the "---" separator line of DEP-3/git format-patch
+    return head, text[m.start():]
+
+
+def dep3_fields(header):
+    """DEP-3 fields of a header (continuation lines start with a space)."""
+    fields, key = {}, None
+    for line in header.splitlines():
+        m = re.match(r"^([A-Za-z][A-Za-z0-9-]*):\s?(.*)$", line)
+        if m:
+            key = m.group(1)
+            fields[key] = m.group(2)
+        elif key and line.startswith(" "):
+            fields[key] += "\n" + line.strip()
+        elif not line.strip():
+            key = None
+    return fields
+
+
+def missing_fields(header):
+    fields = dep3_fields(header)
+    present = set(fields) | set(k.split("-", 1)[0] for k in fields if k.startswith("Bug-"))
+    return ["/".join(alts) for alts in REQUIRED_FIELDS if not present.intersection(alts)]
+
+
+def subject(header):
+    fields = dep3_fields(header)
+    text = fields.get("Description") or fields.get("Subject") or ""
+    return text.split("\n", 1)[0].strip()
+
+
+def hunks(diff):
+    """[(file, old_start, hunk_number_in_file, header_line)] of a unified diff."""
+    out, current, n = [], None, 0
+    for line in diff.splitlines():
+        if line.startswith("--- "):
+            old = line[4:].split("\t")[0]
+            current, n = (old[2:] if old.startswith("a/") else old), 0
+        elif line.startswith("+++ ") and current == "/dev/null":
+            new = line[4:].split("\t")[0]
+            current = new[2:] if new.startswith("b/") else new
+        m = HUNK_RE.match(line)
+        if m and current is not None:
+            n += 1
+            out.append((current, int(m.group(1)), n, line))
+    return out
+
+
+def git_env(tree):
+    """An environment in which git never finds a repository above `tree` (git apply would silently skip
+    files outside the enclosing repository's current directory)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env["GIT_CEILING_DIRECTORIES"] = os.path.dirname(os.path.abspath(tree))
+    return env
+
+
+def explain_failure(name, diff, stderr):
+    lines = [f"patch {name} does not apply:"]
+    found = False
+    for m in re.finditer(r"patch failed: (.+):(\d+)", stderr):
+        path, line = m.group(1), int(m.group(2))
+        for f, start, k, head in hunks(diff):
+            if f == path and start == line:
+                lines.append(f"  file {path}, hunk #{k} ({head})")
+                found = True
+    for m in re.finditer(r"error: (.+?): (No such file or directory|does not exist in index|already exists.*)$",
+                         stderr, re.M):
+        lines.append(f"  file {m.group(1)}: {m.group(2)}")
+        found = True
+    if not found:
+        lines.append("  (git apply gave no file or hunk)")
+    lines.append("  git apply said: " + stderr.strip().replace("\n", "\n    "))
+    return "\n".join(lines)
+
+
+def apply(patch_path, tree, name=None):
+    """Apply one patch to `tree`; all of its hunks or none of them (git apply checks before it writes)."""
+    name = name or os.path.basename(patch_path)
+    with open(patch_path) as f:
+        _, diff = split_patch(f.read())
+    if not diff.strip():
+        raise ForkBuildError(f"patch {name} contains no diff")
+    proc = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", os.path.abspath(patch_path)],
+                          cwd=tree, env=git_env(tree), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ForkBuildError(explain_failure(name, diff, proc.stderr))
