@@ -163,6 +163,8 @@ def check(root):
             missing = series.missing_fields(series.split_patch(f.read())[0])
         if missing:
             problems.append(f"{name}: DEP-3 header lacks {', '.join(missing)}")
+    if problems:
+        return problems  # the queue refuses such commits, so there is no round trip to compare
     with tempfile.TemporaryDirectory() as tmp:
         tree, out = os.path.join(tmp, "tree"), os.path.join(tmp, "patches")
         pin, _ = import_queue(root, tree)
