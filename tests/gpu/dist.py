@@ -1,0 +1,215 @@
+"""Launch a worker script on several local GPUs and collect what each rank reports.
+
+The worker is started with ``python -m torch.distributed.run --standalone`` (torchrun), which
+picks a free rendezvous port, so several jobs may run side by side. Each rank writes one JSON
+object to ``$DIST_RESULT_DIR/rank<RANK>.json`` (see :func:`result_path`); the launcher reads
+those files back together with the exit code and the combined output, so that a rank killed by a
+signal (SIGABRT from a failed C++ assert, say) is reported as such rather than as a bare
+non-zero exit status.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+RESULT_DIR_ENV = "DIST_RESULT_DIR"
+
+BASE_ENV = {
+    # NVLink SHARP (multicast) stays off on the shared GPU hosts.
+    "NCCL_NVLS_ENABLE": "0",
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+}
+
+_EXITCODE_RE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_SIGNAL_RE = re.compile(r"Signal (\d+) \((SIG[A-Z0-9]+)\) received")
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def skip_reason(nprocs: int) -> Optional[str]:
+    """Why a test needing ``nprocs`` GPUs cannot run here, or None if it can."""
+    count = cuda_device_count()
+    if count == 0:
+        return "CUDA is not available"
+    if count < nprocs:
+        return f"needs {nprocs} GPUs, found {count}"
+    return None
+
+
+def result_path(rank: Optional[int] = None) -> str:
+    """Path a worker rank writes its JSON result to (for use inside the worker)."""
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    return os.path.join(os.environ[RESULT_DIR_ENV], f"rank{rank}.json")
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+@dataclass
+class DistResult:
+    returncode: Optional[int]
+    timed_out: bool
+    duration_s: float
+    output: str
+    results: Dict[int, dict] = field(default_factory=dict)
+    command: List[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def rank_exit_codes(self) -> List[int]:
+        """Exit codes of failed ranks as torchrun reported them (negative: killed by a signal)."""
+        return [int(v) for v in _EXITCODE_RE.findall(self.output)]
+
+    def signals(self) -> List[str]:
+        names = {_signal_name(-code) for code in self.rank_exit_codes() if code < 0}
+        names.update(name for _, name in _SIGNAL_RE.findall(self.output))
+        if self.returncode is not None and self.returncode < 0:
+            names.add(_signal_name(-self.returncode))
+        return sorted(names)
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+    def summary(self) -> str:
+        if self.timed_out:
+            status = f"timed out after {self.duration_s:.0f}s"
+        else:
+            status = f"exit code {self.returncode} after {self.duration_s:.0f}s"
+        codes = self.rank_exit_codes()
+        if codes:
+            status += f"; rank exit codes {codes}"
+        sigs = self.signals()
+        if sigs:
+            status += f"; killed by {', '.join(sigs)}"
+        errors = {rank: r["error"].strip().splitlines()[-1] for rank, r in self.results.items() if r.get("error")}
+        if errors:
+            status += f"; worker errors {errors}"
+        return status
+
+    def failure_message(self, lines: int = 60) -> str:
+        return f"{' '.join(self.command)}\n{self.summary()}\n--- output tail ---\n{self.tail(lines)}"
+
+
+class DistJob:
+    """A torchrun job running in the background; ``wait()`` returns its :class:`DistResult`."""
+
+    def __init__(self,
+                 script: str,
+                 args: Sequence[str] = (),
+                 nprocs: int = 2,
+                 timeout: float = 600,
+                 env: Optional[Dict[str, str]] = None,
+                 cwd: Optional[str] = None):
+        self.script = script
+        self.args = [str(a) for a in args]
+        self.nprocs = nprocs
+        self.timeout = timeout
+        self.extra_env = dict(env or {})
+        self.cwd = cwd
+        self._proc = None
+        self._tmp = None
+        self._log = None
+        self._start = None
+
+    @property
+    def command(self) -> List[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nprocs}",
+            self.script, *self.args
+        ]
+
+    def start(self) -> "DistJob":
+        self._tmp = tempfile.TemporaryDirectory(prefix="dist_job_")
+        result_dir = os.path.join(self._tmp.name, "results")
+        os.makedirs(result_dir)
+        env = dict(os.environ)
+        env.update(BASE_ENV)
+        env.update(self.extra_env)
+        env[RESULT_DIR_ENV] = result_dir
+        self._log = open(os.path.join(self._tmp.name, "output.log"), "w+b")
+        self._start = time.monotonic()
+        # A new session, so that a timeout can kill torchrun together with every rank.
+        self._proc = subprocess.Popen(self.command,
+                                      stdout=self._log,
+                                      stderr=subprocess.STDOUT,
+                                      env=env,
+                                      cwd=self.cwd,
+                                      start_new_session=True)
+        return self
+
+    def _kill(self):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self._proc.wait(timeout=15)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def wait(self) -> DistResult:
+        assert self._proc is not None, "start() first"
+        remaining = max(1.0, self.timeout - (time.monotonic() - self._start))
+        timed_out = False
+        try:
+            self._proc.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            self._kill()
+        duration = time.monotonic() - self._start
+        self._log.seek(0)
+        output = self._log.read().decode("utf-8", errors="replace")
+        self._log.close()
+        results = {}
+        result_dir = os.path.join(self._tmp.name, "results")
+        for name in sorted(os.listdir(result_dir)):
+            match = re.fullmatch(r"rank(\d+)\.json", name)
+            if not match:
+                continue
+            try:
+                with open(os.path.join(result_dir, name)) as f:
+                    results[int(match.group(1))] = json.load(f)
+            except (OSError, ValueError) as exc:
+                results[int(match.group(1))] = {"error": f"unreadable result file: {exc}"}
+        self._tmp.cleanup()
+        return DistResult(returncode=None if timed_out else self._proc.returncode,
+                          timed_out=timed_out,
+                          duration_s=duration,
+                          output=output,
+                          results=results,
+                          command=self.command)
+
+
+def run_distributed(script: str,
+                    args: Sequence[str] = (),
+                    nprocs: int = 2,
+                    timeout: float = 600,
+                    env: Optional[Dict[str, str]] = None,
+                    cwd: Optional[str] = None) -> DistResult:
+    """Run ``script`` on ``nprocs`` local GPUs and wait for it (at most ``timeout`` seconds)."""
+    return DistJob(script, args, nprocs=nprocs, timeout=timeout, env=env, cwd=cwd).start().wait()
