@@ -98,7 +98,7 @@ class DistResult:
             status = f"timed out after {self.duration_s:.0f}s"
         else:
             status = f"exit code {self.returncode} after {self.duration_s:.0f}s"
-        codes = self.rank_exit_codes()
+        codes = sorted(set(self.rank_exit_codes()))
         if codes:
             status += f"; rank exit codes {codes}"
         sigs = self.signals()

@@ -21,8 +21,13 @@ def result(tmp_path_factory):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"GPU test: 9.0a code runs on sm_90 (H100/H200) only, this is {torch.cuda.get_device_name()}")
     ext = os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch_extensions"))
-    return run_distributed(WORKER, nprocs=1, timeout=480, env={"TORCH_CUDA_ARCH_LIST": "9.0a",
-                                                                "TORCH_EXTENSIONS_DIR": ext})
+    return run_distributed(WORKER,
+                           nprocs=1,
+                           timeout=480,
+                           env={
+                               "TORCH_CUDA_ARCH_LIST": "9.0a",
+                               "TORCH_EXTENSIONS_DIR": ext
+                           })
 
 
 def test_fused_adam_and_deepcompile_build_for_sm_90a_and_train(result):

@@ -22,13 +22,14 @@ from dist import DistJob, skip_reason
 NPROCS = 2
 STAGES = (1, 2, 3)
 VARIANTS = ("interleaved", "param_free_first_graph")
-TIMEOUT_S = 480
+# Per job; all jobs run side by side. GPU_TEST_TIMEOUT_S overrides it.
+TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "480"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_bucket_release.py")
 
 # bf16 model, fp32 loss: DeepCompile and eager ZeRO reduce in a different order and fuse
-# differently, so their losses agree to bf16 precision only.
-LOSS_RTOL = 2e-2
-LOSS_ATOL = 2e-3
+# differently, so their losses agree to bf16 precision (eps 2**-7) only.
+LOSS_RTOL = 2**-7
+LOSS_ATOL = 1e-4
 
 JOB_ENV = {
     # Several jobs compile at once; one compile worker per rank keeps the host from thrashing.
@@ -104,7 +105,8 @@ def _close(a, b):
 def _figures(rank, dc):
     return (f"rank {rank}: MiB before optimizer.step {dc['mib_before_step']}, "
             f"bucket-sized live blocks before step {dc['bucket_blocks_before_step']}, "
-            f"after boundary backward {dc['bucket_blocks_after_backward']}")
+            f"in boundary backward {dc.get('bucket_blocks_in_backward')}, "
+            f"after it {dc['bucket_blocks_after_backward']}")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -127,14 +129,17 @@ def test_deepcompile_reduce_buckets_released_before_step(jobs, stage, variant):
         n_steps = n_train // r["gradient_accumulation_steps"]
         assert len(dc["mib_before_step"]) == n_steps, _figures(rank, dc)
 
-        # The probe must see the buckets while they are in use, or the checks below prove nothing.
-        assert max(dc["bucket_blocks_after_backward"]) >= 1, _figures(rank, dc)
+        # Late in each boundary backward the probe sees the buckets in use (or the checks below
+        # would prove nothing); all gradients fit into one bucket, so one is allocated, even when
+        # two graphs reduce one after the other.
+        assert dc["bucket_blocks_in_backward"] == [1] * n_steps, _figures(rank, dc)
         # No bucket may be left allocated when the optimizer steps ...
         assert dc["bucket_blocks_before_step"] == [0] * n_steps, _figures(rank, dc)
-        # ... so the allocated memory there is the same on every step: less than half a bucket
-        # apart (one bf16 bucket is r["bucket_mib"] MiB).
-        spread = max(dc["mib_before_step"]) - min(dc["mib_before_step"])
-        assert spread < r["bucket_mib"] / 2, _figures(rank, dc)
+        # ... so the allocated memory there is the same on every step, to less than half a bucket
+        # (one bf16 bucket is r["bucket_mib"] MiB). The optimizer creates its states in the first
+        # step, so the comparison starts at the second.
+        steady = dc["mib_before_step"][1:]
+        assert max(steady) - min(steady) < r["bucket_mib"] / 2, _figures(rank, dc)
 
         assert len(dc["train_losses"]) == len(eager["train_losses"]) == n_train
         bad = [(i, a, b) for i, (a, b) in enumerate(zip(dc["train_losses"], eager["train_losses"]))

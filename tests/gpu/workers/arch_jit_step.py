@@ -37,10 +37,21 @@ def main():
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(3)])
     config = {
         "train_micro_batch_size_per_gpu": 8,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},  # FusedAdam on CUDA
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 1},
-        "compile": {"deepcompile": True},
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": 1e-3
+            }
+        },  # FusedAdam on CUDA
+        "bf16": {
+            "enabled": True
+        },
+        "zero_optimization": {
+            "stage": 1
+        },
+        "compile": {
+            "deepcompile": True
+        },
     }
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     report["optimizer"] = type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__

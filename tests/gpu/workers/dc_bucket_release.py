@@ -16,7 +16,9 @@ positional add before a graph break), so its backward has nothing to reduce; tra
 no_grad forward and a new sequence length.
 
 Just before every optimizer step the worker records the allocated memory and how many live
-allocations have exactly the size of a reduce bucket. Each rank writes a JSON report to the path
+allocations have exactly the size of a reduce bucket; it counts them also during each boundary
+backward, when the gradient of the input is produced (after every graph has reduced). Each rank
+writes a JSON report to the path
 given by $DIST_RESULT_DIR (rewritten after every operation, so a rank that dies still leaves the
 operation it reached).
 """
@@ -99,6 +101,8 @@ class Net(nn.Module):
             # The first compiled graph uses no parameter: its backward reduces nothing.
             h = h * 0.5 + self.pos.to(h.dtype)
             torch._dynamo.graph_break()
+        # No graph break inside this loop: Dynamo would skip the whole frame and run it eagerly,
+        # which DeepCompile does not support (its ZeRO hooks are gone).
         for i, layer in enumerate(self.layers):
             h = layer(h)
             if i + 1 < len(self.layers):
@@ -204,11 +208,16 @@ def run(stage, variant, deepcompile, rank, device, rec, reporter):
         reporter.write()
         if op == "train":
             x, y = make_batch(rank, index, seq, device)
-            # With a parameter-free first graph, this makes that graph need a backward.
-            x.requires_grad_(param_free_first_graph)
+            # Makes the first graph need a backward (it is parameter-free in one variant), and
+            # gives a point late in the backward to look at the buckets from.
+            x.requires_grad_(True)
+            boundary = engine.is_gradient_accumulation_boundary()
+            if deepcompile and boundary:
+                x.register_hook(
+                    lambda grad: rec["bucket_blocks_in_backward"].append(count_live_blocks(sizes, device_index)))
             loss = engine(x, y)
             engine.backward(loss)
-            if deepcompile and engine.is_gradient_accumulation_boundary():
+            if deepcompile and boundary:
                 torch.cuda.synchronize()
                 rec["bucket_blocks_after_backward"].append(count_live_blocks(sizes, device_index))
             engine.step()
@@ -280,6 +289,7 @@ def main():
             "mib_after_op": [],
             "mib_before_step": [],
             "bucket_blocks_before_step": [],
+            "bucket_blocks_in_backward": [],
             "bucket_blocks_after_backward": [],
         }
 
