@@ -21,21 +21,21 @@ def result(tmp_path_factory):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip(f"GPU test: 9.0a code runs on sm_90 (H100/H200) only, this is {torch.cuda.get_device_name()}")
     ext = os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch_extensions"))
-    return run_distributed(WORKER,
-                           nprocs=1,
-                           timeout=480,
-                           env={
-                               "TORCH_CUDA_ARCH_LIST": "9.0a",
-                               "TORCH_EXTENSIONS_DIR": ext
-                           })
+    env = {"TORCH_CUDA_ARCH_LIST": "9.0a", "TORCH_EXTENSIONS_DIR": ext}
+    eager = run_distributed(WORKER, ["eager"], nprocs=1, timeout=300, env=env)
+    compiled = run_distributed(WORKER, ["deepcompile"], nprocs=1, timeout=300, env=env)
+    return eager, compiled
 
 
 def test_fused_adam_and_deepcompile_build_for_sm_90a_and_train(result):
-    assert result.ok, result.failure_message()
-    r = result.results[0]
-    assert "invalid literal" not in result.output
-    assert "-gencode=arch=compute_90a,code=sm_90a" in r["fused_adam_gencode"]
-    assert r["optimizer"] == "FusedAdam"
-    assert r["deepcompile_active"]
-    assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
-    assert r["losses"][-1] < r["losses"][0]
+    for run in result:
+        assert run.ok, run.failure_message()
+        assert "invalid literal" not in run.output
+    eager, compiled = (run.results[0] for run in result)
+    assert "-gencode=arch=compute_90a,code=sm_90a" in eager["fused_adam_gencode"]
+    assert eager["optimizer"] == compiled["optimizer"] == "FusedAdam"
+    assert compiled["deepcompile_active"] and not eager["deepcompile_active"]
+    assert all(math.isfinite(v) for v in eager["losses"] + compiled["losses"])
+    assert eager["losses"][-1] < eager["losses"][0]
+    # bf16: DeepCompile and eager ZeRO fuse and reduce differently
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=2e-2), (eager["losses"], compiled["losses"])

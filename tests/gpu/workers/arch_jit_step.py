@@ -1,5 +1,6 @@
 """Worker for test_arch_specific_jit.py: with TORCH_CUDA_ARCH_LIST=9.0a, JIT-build FusedAdam and the
-DeepCompile op through op_builder and run training steps that use both (ZeRO-1, DeepCompile, bf16)."""
+DeepCompile op through op_builder and run training steps that use both (ZeRO-1, bf16), with DeepCompile
+(`deepcompile` argument) or without it (`eager`, the reference)."""
 
 import json
 import os
@@ -20,7 +21,10 @@ def save():
         json.dump(report, f)
 
 
-def main():
+STEPS = 4
+
+
+def main(mode):
     import deepspeed
     from deepspeed.ops.op_builder import DeepCompileBuilder, FusedAdamBuilder
     report["deepspeed"] = deepspeed.__version__
@@ -49,17 +53,17 @@ def main():
         "zero_optimization": {
             "stage": 1
         },
-        "compile": {
-            "deepcompile": True
-        },
     }
+    if mode == "deepcompile":
+        config["compile"] = {"deepcompile": True}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     report["optimizer"] = type(optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer).__name__
-    engine.compile()
+    if mode == "deepcompile":
+        engine.compile()
     x = torch.randn(8, 512, device=engine.device, dtype=torch.bfloat16)
     y = torch.randn(8, 512, device=engine.device, dtype=torch.bfloat16)
     losses = []
-    for _ in range(3):
+    for _ in range(STEPS):
         loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
         engine.backward(loss)
         engine.step()
@@ -71,7 +75,7 @@ def main():
 
 if __name__ == "__main__":
     try:
-        main()
+        main(sys.argv[1])
     except BaseException:
         report["error"] = traceback.format_exc()
         save()
