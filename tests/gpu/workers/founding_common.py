@@ -1,0 +1,113 @@
+"""Helpers shared by the founding-fix workers (tests/gpu/workers/founding_*.py).
+
+A worker is started by tests/gpu/test_founding_fixes.py through tests/gpu/dist.py (torchrun, one
+process per GPU; each rank writes one JSON report to $DIST_RESULT_DIR/rank<RANK>.json), or by hand:
+
+    torchrun --standalone --nproc_per_node=2 tests/gpu/workers/founding_z3_release.py
+    python tests/gpu/workers/founding_z3_release.py          # one process, rank 0 of 1
+
+Without $DIST_RESULT_DIR the report is printed to stdout as one line starting with REPORT_PREFIX.
+"""
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dist import RESULT_DIR_ENV, result_path  # noqa: E402  (tests/gpu/dist.py)
+
+REPORT_PREFIX = "FOUNDING_REPORT "
+MIB = 2**20
+
+
+def ensure_dist_env():
+    """Fill in the torchrun environment for a worker started as a plain single process."""
+    if "RANK" in os.environ:
+        return False
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    return True
+
+
+def mib(nbytes):
+    return round(nbytes / MIB, 2)
+
+
+def finite(values):
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+class Report(dict):
+    """The rank's JSON report; rewritten after every phase so that a rank that dies leaves its progress."""
+
+    def __init__(self, fix, **fields):
+        super().__init__(fix=fix, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), error=None)
+        self.update(fields)
+        self.path = result_path(self["rank"]) if os.environ.get(RESULT_DIR_ENV) else None
+
+    def write(self):
+        if self.path is None:
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self, f, indent=1)
+        os.replace(tmp, self.path)
+
+    def publish(self):
+        self.write()
+        if self.path is None:
+            print(REPORT_PREFIX + json.dumps(self), flush=True)
+
+
+def setup_device():
+    """Bind this rank to its GPU and start torch.distributed (NCCL) through deepspeed."""
+    import torch
+    import deepspeed
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    deepspeed.init_distributed(dist_backend="nccl")
+    return torch.device("cuda", local_rank)
+
+
+def describe(report):
+    import torch
+    import deepspeed
+
+    report["deepspeed_version"] = deepspeed.__version__
+    report["deepspeed_file"] = deepspeed.__file__
+    report["torch_version"] = torch.__version__
+    report["device_name"] = torch.cuda.get_device_name()
+
+
+def run_worker(fix, main, **fields):
+    """Run ``main(report)``; on any exception record the traceback and leave at once with status 1."""
+    standalone = ensure_dist_env()
+    report = Report(fix, standalone=standalone, **fields)
+    start = time.time()
+    try:
+        main(report)
+    except BaseException:
+        report["error"] = traceback.format_exc()
+        report["seconds"] = round(time.time() - start, 1)
+        report.publish()
+        print(f"[rank {report['rank']}] worker failed:\n{report['error']}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Leave now: the other rank may be blocked in a collective; torchrun stops it.
+        os._exit(1)
+    report["seconds"] = round(time.time() - start, 1)
+    report.publish()
+    try:
+        import torch.distributed as torch_dist
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
