@@ -3,7 +3,15 @@ Inductor generated may still hold views of it (upstream PR #8032 made the releas
 gather buffers too). That is safe only if no alias is read after the release: run DeepCompile
 ZeRO-3 training under compute-sanitizer memcheck and require zero errors, for the #8032 worker
 (24 padded Linear layers in one graph) and for a dense model, an MoE-style model whose expert
-dispatch runs in a skipped frame, and a tied-embedding model (workers/dc_z3_memcheck.py).
+dispatch runs in a skipped frame, and a tied-embedding model (workers/dc_z3_memcheck.py). A canary
+job reads freed memory through a pointer taken before the free, and memcheck must report that read:
+otherwise the clean reports would prove nothing.
+
+The instrumented runs set PYTORCH_NO_CUDA_MEMORY_CACHING=1: with PyTorch's caching allocator a released
+block stays allocated as far as the driver knows, and memcheck could not see a read of it.
+
+NCCL's kernels are not instrumented (``--kernel-name-exclude kns=nccl``): they only move data into and
+out of buffers DeepSpeed owns, and instrumenting them made the jobs too slow to finish.
 
 Needs 2 GPUs and compute-sanitizer (PATH or $CUDA_HOME/bin). Set GPU_TEST_REPORT_DIR to keep the
 sanitizer output of each job.
@@ -28,6 +36,8 @@ JOBS = {
     "moe_skipped": (os.path.join(HERE, "workers", "dc_z3_memcheck.py"), ["--variant", "moe_skipped"]),
     "tied_embedding": (os.path.join(HERE, "workers", "dc_z3_memcheck.py"), ["--variant", "tied_embedding"]),
 }
+CANARY = (os.path.join(HERE, "workers", "dc_z3_memcheck.py"), ["--variant", "canary"])
+NO_CACHING = {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
 SUMMARY_RE = re.compile(r"========= ERROR SUMMARY: (\d+) errors?")
 
 
@@ -50,7 +60,10 @@ class MemcheckJob(DistJob):
     @property
     def command(self):
         # API errors are not memory errors (NCCL probes kernels it has no image for, and says so).
-        sanitizer = [self.tool, "--tool", "memcheck", "--report-api-errors", "no", "--print-limit", "20"]
+        sanitizer = [
+            self.tool, "--tool", "memcheck", "--report-api-errors", "no", "--print-limit", "20",
+            "--kernel-name-exclude", "kns=nccl"
+        ]
         return [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nprocs}",
             "--no-python", *sanitizer, sys.executable, self.script, *self.args
@@ -87,15 +100,18 @@ def jobs(tmp_path_factory):
         name: DistJob(script, args, nprocs=NPROCS, timeout=TIMEOUT_S, env=envs[name]).start()
         for name, (script, args) in JOBS.items()
     }
+    canary = MemcheckJob(tool, *CANARY, nprocs=NPROCS, timeout=TIMEOUT_S, env=NO_CACHING).start()
     warmed = {name: job.wait() for name, job in warm.items()}
     started = {
-        name: MemcheckJob(tool, script, args, nprocs=NPROCS, timeout=TIMEOUT_S, env=envs[name]).start()
+        name: MemcheckJob(tool, script, args, nprocs=NPROCS, timeout=TIMEOUT_S, env=dict(envs[name],
+                                                                                        **NO_CACHING)).start()
         for name, (script, args) in JOBS.items() if warmed[name].ok
     }
+    started["canary"] = canary
     done = {}
 
     def result(name):
-        if name not in started:
+        if name not in started and name in warmed:
             return warmed[name]
         if name not in done:
             done[name] = started[name].wait()
@@ -119,3 +135,12 @@ def test_deepcompile_z3_release_is_memcheck_clean(jobs, name):
     for rank, r in sorted(res.results.items()):
         losses = r.get("losses") or [rec["loss"] for rec in r.get("records", [])]
         assert losses and all(math.isfinite(v) for v in losses), f"rank {rank}: losses {losses}"
+
+
+def test_memcheck_reports_a_read_after_release(jobs):
+    res = jobs("canary")
+    summaries = [int(n) for n in SUMMARY_RE.findall(res.output)]
+    print(f"\ncanary: {res.summary()}; memcheck error summaries {summaries}")
+    assert not res.timed_out, res.failure_message()
+    assert len(summaries) == NPROCS and all(n > 0 for n in summaries), res.failure_message()
+    assert "Invalid __global__ read" in res.output, res.failure_message(120)

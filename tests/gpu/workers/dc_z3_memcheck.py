@@ -8,14 +8,17 @@ stage3_param_persistence_threshold 0 (every parameter gathered and released):
 * ``dense``: a chain of Linear layers in one compiled graph;
 * ``moe_skipped``: a router and experts where the expert dispatch runs in a torch.compiler.disable'd
   frame (the ZeRO-3 eager fallback gathers and releases the experts there);
-* ``tied_embedding``: an embedding whose weight is also the output projection.
-Each rank writes its losses to $DIST_RESULT_DIR/rank<RANK>.json.
+* ``tied_embedding``: an embedding whose weight is also the output projection;
+* ``canary``: no training. Frees a tensor and then reads its memory through a pointer taken before:
+  memcheck must report it, or a clean report above proves nothing.
+Each rank writes its losses to $DIST_RESULT_DIR/rank<RANK>.json and prints when each phase ends.
 """
 
 import argparse
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -80,6 +83,28 @@ class TiedEmbedding(nn.Module):
 
 
 MODELS = {"dense": Dense, "moe_skipped": MoESkipped, "tied_embedding": TiedEmbedding}
+VARIANTS = sorted(MODELS) + ["canary"]
+T0 = time.monotonic()
+
+
+def phase(rank, what):
+    print(f"[rank {rank} +{time.monotonic() - T0:.0f}s] {what}", flush=True)
+
+
+class StaleAlias:
+    """A device pointer kept past the free of its memory, as a kernel argument captured before a release
+    would be (torch.as_tensor wraps it through the CUDA array interface, without a copy)."""
+
+    def __init__(self, ptr, numel):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (numel, ), "typestr": "<f4", "version": 3}
+
+
+def read_after_release(device):
+    """Needs PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that the free returns the memory to the driver."""
+    gathered = torch.randn(HIDDEN * HIDDEN, device=device)
+    alias = StaleAlias(gathered.data_ptr(), gathered.numel())
+    del gathered
+    return float(torch.as_tensor(alias, device=device).sum())
 
 
 def batch(variant, rank, step, device):
@@ -93,7 +118,7 @@ def batch(variant, rank, step, device):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", required=True, choices=sorted(MODELS))
+    parser.add_argument("--variant", required=True, choices=VARIANTS)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -101,9 +126,14 @@ def main():
     report = {"rank": rank, "variant": args.variant, "losses": [], "error": None}
     path = os.path.join(os.environ["DIST_RESULT_DIR"], f"rank{rank}.json")
     try:
+        if args.variant == "canary":
+            report["canary_sum"] = read_after_release(device)
+            torch.cuda.synchronize()
+            raise AssertionError("the read after the release went unnoticed")
         import deepspeed
         deepspeed.init_distributed()
         report["deepspeed_version"] = deepspeed.__version__
+        phase(rank, "initialized")
         torch.manual_seed(0)
         model = MODELS[args.variant]()
         config = {
@@ -134,6 +164,7 @@ def main():
             engine.backward(loss)
             engine.step()
             report["losses"].append(loss.item())
+            phase(rank, f"step {step} loss {report['losses'][-1]:.4f}")
         torch.cuda.synchronize()
         report["deepcompile_active"] = bool(engine.is_deepcompile_active())
     except BaseException:
