@@ -14,11 +14,14 @@ Variants ("--variant"):
   loop     the skipped frame is skipped for a graph break inside a loop and reads every weight directly.
   checkpoint  as "modules", two of the blocks run under activation checkpointing (reentrant, non-reentrant).
 
-The same steps run on eager ZeRO-3 (no compile) for reference. Each rank writes a JSON report to
+The same steps run on eager ZeRO-3 (no compile) for reference; both use eager ZeRO-3's leanest settings (no
+prefetch, no reuse). Recorded per training step: the peak of gathered parameter storage alive at once
+(GatheredStorageCensus), and the gradients, losses and parameters left gathered. Each rank writes a JSON report to
 $DIST_RESULT_DIR/rank<RANK>.json.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -113,24 +116,83 @@ def gathered(module):
     return [n for n, p in module.named_parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE]
 
 
+class GatheredStorageCensus:
+    """Bytes of gathered parameter storage still alive, whoever holds it.
+
+    Releasing a ZeRO-3 parameter only swaps its .data for an empty tensor; the gathered storage is freed when nothing
+    else references it. A tensor autograd saved for the backward (a view of the weight, say) keeps it alive. Every
+    storage a gather gives a parameter is watched through a weak reference to the storage itself, so the census counts
+    exactly the gathered storages not yet freed, by anyone. Memory only grows at a gather, so sampling right after
+    each gather finds the peak.
+    """
+
+    def __init__(self, params):
+        from torch.multiprocessing.reductions import StorageWeakRef
+        self._weak_ref = StorageWeakRef
+        self.params = params
+        self.watched = {}  # storage address -> (weak reference, bytes)
+        self.peak = 0
+
+    def live_bytes(self):
+        for key, (ref, _) in list(self.watched.items()):
+            if ref.expired():
+                del self.watched[key]
+        return sum(nbytes for _, nbytes in self.watched.values())
+
+    def after_gather(self):
+        live = self.live_bytes()
+        for p in self.params:
+            if p.data.numel() == 0:
+                continue
+            storage = p.data.untyped_storage()
+            ref = self._weak_ref(storage)
+            if ref.cdata not in self.watched:
+                self.watched[ref.cdata] = (ref, storage.nbytes())
+                live += storage.nbytes()
+        self.peak = max(self.peak, live)
+
+    def start(self):
+        self.peak = self.live_bytes()
+
+
 def watch_gathers(module, rec):
-    """Record the most parameters gathered at once, sampled after every ZeRO-3 gather."""
+    """Record the most parameters gathered at once, and the census of gathered storage, after every ZeRO-3 gather
+    (single parameters, coalesced groups as eager ZeRO-3 fetches them)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     params = list(module.parameters())
+    census = GatheredStorageCensus(params)
 
-    def wrap(param):
-        original = param.all_gather
+    def wrap(param, name):
+        original = getattr(param, name)
 
-        def all_gather(*args, **kwargs):
-            result = original(*args, **kwargs)
+        def gathered():
             count = sum(1 for p in params if p.ds_status == ZeroParamStatus.AVAILABLE)
             rec["max_gathered"] = max(rec["max_gathered"], count)
+            census.after_gather()
+
+        def gather(*args, **kwargs):
+            result = original(*args, **kwargs)
+            gathered()
+            wait = getattr(result, "wait", None)
+            if wait is not None:
+                # An asynchronous gather (eager ZeRO-3's fetch) may give the parameters their data when it completes.
+                def wait_and_count(*args, **kwargs):
+                    # Drop the reference cycle handle -> this function -> handle, which would keep the handle and
+                    # the gathered buffers it references alive until the garbage collector runs.
+                    del result.wait
+                    out = wait(*args, **kwargs)
+                    gathered()
+                    return out
+
+                result.wait = wait_and_count
             return result
 
-        param.all_gather = all_gather
+        setattr(param, name, gather)
 
     for param in params:
-        wrap(param)
+        wrap(param, "all_gather")
+        wrap(param, "all_gather_coalesced")
+    return census
 
 
 def run(variant, deepcompile, rank, rec):
@@ -152,7 +214,11 @@ def run(variant, deepcompile, rank, rec):
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {
             "stage": 3,
-            "stage3_param_persistence_threshold": 0
+            "stage3_param_persistence_threshold": 0,
+            # Eager ZeRO-3 at its leanest (no prefetch, every parameter released after its use): the reference for
+            # the peak of gathered storage.
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0,
         },
         "steps_per_print": 1_000_000,
     }
@@ -162,15 +228,20 @@ def run(variant, deepcompile, rank, rec):
     if deepcompile:
         engine.compile(backend="eager")
         rec["deepcompile_active"] = engine.is_deepcompile_active()
-    watch_gathers(engine.module, rec)
+    census = watch_gathers(engine.module, rec)
     names = [n for n, _ in engine.module.named_parameters()]
     for op, index in PLANS[variant]:
         rec["reached"] = f"{op} {index}"
         x, y = batch(rank, index)
         if op == "train":
             boundary = engine.is_gradient_accumulation_boundary()
+            gc.collect()
+            census.start()
+            rec["gathered_bytes_at_start"].append(census.peak)
             loss = engine(x, y)
             engine.backward(loss)
+            # The most gathered parameter storage alive at once during the forward and backward.
+            rec["gathered_bytes_peak"].append(census.peak)
             # Full-size gradients left on parameters: nothing reduced them into their ZeRO-3 partitions.
             rec["left_grads"].append([n for n, p in engine.module.named_parameters() if p.grad is not None])
             if boundary:
@@ -206,7 +277,15 @@ def main():
     parser.add_argument("--variant", choices=sorted(PLANS), required=True)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
-    report = {"rank": rank, "variant": args.variant, "layers": LAYERS, "error": None}
+    report = {
+        "rank": rank,
+        "variant": args.variant,
+        "plan": [list(step) for step in PLANS[args.variant]],
+        "layers": LAYERS,
+        # One gathered Block weight (fp32).
+        "layer_bytes": HIDDEN * HIDDEN * 4,
+        "error": None,
+    }
     path = os.path.join(os.environ["DIST_RESULT_DIR"], f"rank{rank}.json")
     try:
         import deepspeed
@@ -221,7 +300,9 @@ def main():
                 "gathered_after": [],
                 "abandoned_requires_grad": [],
                 "left_grads": [],
-                "max_gathered": 0
+                "max_gathered": 0,
+                "gathered_bytes_at_start": [],
+                "gathered_bytes_peak": [],
             }
             run(args.variant, deepcompile, rank, rec)
     except BaseException:

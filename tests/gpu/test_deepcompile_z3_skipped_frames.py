@@ -9,7 +9,8 @@ side); each job trains eager ZeRO-3 (the reference) and DeepCompile ZeRO-3 on th
   partitions everything (+ LAYERS + 1 gathered layers of allocated memory after each such forward);
 * test_skipped_frame_peak_memory_within_one_layer_of_eager_zero3: every layer the skipped frame uses stays gathered
   from its first use to the end of the backward, and its full gradient with it: the peak of a step is ~2 x LAYERS
-  layers above its start, eager ZeRO-3's ~2;
+  layers above its start, eager ZeRO-3's ~2 (the fork before its memory-efficient-linear fix: ~LAYERS above eager,
+  the transposed weight view aten's linear saves for the backward kept every released layer allocated);
 * test_skipped_frame_gradients_reach_the_optimizer: gradients of parameters used in skipped frames are never
   reduced (the optimizer sees zeros; relative error 1.0 against eager ZeRO-3), the eager part of a weight tied
   between a skipped and a compiled frame is lost;
@@ -174,9 +175,6 @@ def test_abandoned_forward_leaves_no_parameter_gathered(jobs):
         _check_losses(rank, r)
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="open (fork issue 4 item 3): 2xH200 measured DeepCompile's step peak 8.03 layers above "
-                   "eager ZeRO-3 with the fork's lifetime patch")
 def test_skipped_frame_peak_memory_within_one_layer_of_eager_zero3(jobs):
     res = jobs.result("peak")
     lines = []
