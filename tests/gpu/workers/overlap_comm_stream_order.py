@@ -7,10 +7,13 @@ worker wraps the optimizer's per-parameter entry (reduce_independent_p_g_buckets
 chosen weight, runs it inside `stream(side)`, as it runs when the hook fires on a side stream. Without a side
 stream (the *_single_stream controls) the same injection runs on the current stream.
 
-oversized (w1: 262,144, w2: 786,432 > reduce_bucket_size 524,288): w2's gradient is zeroed on the default stream
-  and written back on the side stream after a sleep kernel (~0.5 s), then w2's hook runs there: w2 takes the
-  extra-large path and is reduced in place when w1's hook, on the default stream, flushes it. 0.19.8 makes that
-  reduction wait for the default stream only and reduces zeros.
+oversized (w3: 98,304, w2: 786,432 > reduce_bucket_size 524,288, w1: 262,144, in hook order): w3 is copied into
+  the bucket on the default stream. w2's gradient is zeroed on the default stream and written back on the side
+  stream after a sleep kernel (~0.5 s); then w2's hook runs there: it flushes w3's bucket (whose copies came from
+  the default stream only) and registers w2 for the extra-large path, reduced in place when w1's hook, on the
+  default stream, flushes it. 0.19.8 makes that reduction wait for the default stream only and reduces zeros.
+  (w3 is needed: had w2's hook found the bucket empty, 0.19.8's flush of the empty bucket would have made the
+  reduction stream wait for the side stream, by accident.)
 buffer_reuse (w1..w6: 262,144 each, two per bucket): the flush of (w6, w5) from buffer 0 is delayed by a sleep
   kernel on the reducing stream; (w4, w3) fill buffer 1; w2's flush hands buffer 0 back and w2 is copied to its
   start; w1's hook runs on the side stream, with a gradient ready since before the step (the side stream has not
@@ -48,17 +51,25 @@ SLEEP_CYCLES = 1_000_000_000
 # fp32; (w_before - w_after) / lr matches the reference to ~1e-6 relative. A race gives O(1).
 REL_TOL = 1e-3
 # Layer widths of the chain (w_k: widths[k] x widths[k-1]) and the weight whose hook is injected.
-VARIANTS = {"oversized": ([D, D, 3 * D], "w2"), "buffer_reuse": ([D] * 7, "w1")}
-# name: (zero stage, overlap_comm, variant, side stream)
+VARIANTS = {"oversized": ([D, D, 3 * D, 64], "w2"), "buffer_reuse": ([D] * 7, "w1")}
+# name: (zero stage, overlap_comm, variant, side stream, optimizer offload). The overlap cases are issue 4 item 4's
+# two gaps, one each; no_overlap: the same injections without overlap_comm, where 0.19.8 orders nothing at all;
+# single_stream: controls.
 CASES = {
-    "z1_overlap_oversized": (1, True, "oversized", True),
-    "z2_overlap_oversized": (2, True, "oversized", True),
-    "z2_no_overlap_oversized": (2, False, "oversized", True),
-    "z1_overlap_buffer_reuse": (1, True, "buffer_reuse", True),
-    "z2_overlap_buffer_reuse": (2, True, "buffer_reuse", True),
-    "z2_no_overlap_buffer_reuse": (2, False, "buffer_reuse", True),
-    "z2_overlap_oversized_single_stream": (2, True, "oversized", False),
-    "z2_overlap_buffer_reuse_single_stream": (2, True, "buffer_reuse", False),
+    "z1_overlap_oversized": (1, True, "oversized", True, False),
+    "z2_overlap_oversized": (2, True, "oversized", True, False),
+    "z1_overlap_buffer_reuse": (1, True, "buffer_reuse", True, False),
+    "z2_overlap_buffer_reuse": (2, True, "buffer_reuse", True, False),
+    "z2_no_overlap_oversized": (2, False, "oversized", True, False),
+    "z2_no_overlap_buffer_reuse": (2, False, "buffer_reuse", True, False),
+    "z2_overlap_oversized_single_stream": (2, True, "oversized", False, False),
+    "z2_overlap_buffer_reuse_single_stream": (2, True, "buffer_reuse", False, False),
+}
+# For tests/stream_order_sim.py only: the offload path, ordered by events in 0.19.8 already, must stay so. Not run on
+# GPUs: its copies out of the bucket test the gradient for inf/nan on the host (a host sync), which closes the window.
+SIM_ONLY_CASES = {
+    "z2_overlap_oversized_offload": (2, True, "oversized", True, True),
+    "z2_overlap_buffer_reuse_offload": (2, True, "buffer_reuse", True, True),
 }
 # tests/stream_order_sim.py replaces these: simulated streams have no time, their events are always complete.
 CHECK_WINDOW = True
@@ -106,8 +117,8 @@ def reference_grads(weights, x, y, world_size):
     return local, averaged
 
 
-def ds_config(stage, overlap_comm):
-    return {
+def ds_config(stage, overlap_comm, offload):
+    config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {
@@ -121,18 +132,22 @@ def ds_config(stage, overlap_comm):
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000,
     }
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False  # plain torch SGD on the host
+    return config
 
 
 def run_case(case, device, rank, world_size, step_context=None):
-    """Run one case; step_context(step), when given, wraps each step's forward, backward and optimizer step."""
+    """Run one case; step_context(step, engine), when given, wraps each step's forward, backward and optimizer step."""
     import deepspeed
     import deepspeed.runtime.zero.stage_1_and_2 as zero12
 
-    stage, overlap_comm, variant, use_side = CASES[case]
+    stage, overlap_comm, variant, use_side, offload = {**CASES, **SIM_ONLY_CASES}[case]
     widths, target = VARIANTS[variant]
     torch.manual_seed(0)
     model = Chain(widths).to(device)
-    config = ds_config(stage, overlap_comm)
+    config = ds_config(stage, overlap_comm, offload)
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                            config=config)
@@ -142,7 +157,8 @@ def run_case(case, device, rank, world_size, step_context=None):
     side = accel.Stream() if use_side and streams else None
     params = {n: getattr(engine.module, n) for n in engine.module.names}
     name_of = {id(p): n for n, p in params.items()}
-    rec = {"zero_optimizer": type(zero).__name__, "rel_err": {n: [] for n in params}, "problems": [], "windows": []}
+    rec = dict(zero_optimizer=type(zero).__name__, cpu_offload=zero.cpu_offload, problems=[], windows=[])
+    rec["rel_err"] = {n: [] for n in params}
     st = {}
 
     def record_event(stream):
@@ -164,7 +180,9 @@ def run_case(case, device, rank, world_size, step_context=None):
             return original_entry(param, i)
         current = accel.current_stream()
         producer = side or current
+        bucket = zero.ipg_buckets[param.dtype]
         if variant == "oversized":
+            st["bucket_before"] = bucket.elements
             grad = param.grad
             st["keep"].append(grad.clone())
             grad.zero_()  # not produced yet: the producer stream writes it, late
@@ -176,7 +194,6 @@ def run_case(case, device, rank, world_size, step_context=None):
                 grad.copy_(st["keep"][-1])
                 st["late_done"] = record_event(producer) if streams else None
                 return original_entry(param, i)
-        bucket = zero.ipg_buckets[param.dtype]
         pending = st["flush_done"].get(bucket.index)
         st["window"] = {
             "buffer": bucket.index,
@@ -207,6 +224,7 @@ def run_case(case, device, rank, world_size, step_context=None):
         if st["inject"] and variant == "oversized" and zero.extra_large_param_to_reduce.get(dtype) is params[target]:
             late = st["late_done"]
             st["window"] = {
+                "bucket_before": st["bucket_before"],
                 "issued_on": stream_name(accel.current_stream()) if streams else "host",
                 "producer_busy": None if late is None or not CHECK_WINDOW else not late.query(),
             }
@@ -220,16 +238,9 @@ def run_case(case, device, rank, world_size, step_context=None):
         before = {n: p.detach().clone() for n, p in params.items()}
         local, ref = reference_grads(list(before.values()), x, y, world_size)
         accel.synchronize()
-        st.update(inject=step > 0,
-                  hooks=[],
-                  keep=[],
-                  flushes=0,
-                  flush_done={},
-                  flush_elements={},
-                  window=None,
-                  late_done=None,
-                  local=dict(zip(params, local)))
-        with (step_context(step) if step_context else contextlib.nullcontext()):
+        st.update(inject=step > 0, hooks=[], keep=[], flushes=0, flush_done={}, flush_elements={}, window=None)
+        st.update(late_done=None, bucket_before=None, local=dict(zip(params, local)))
+        with (step_context(step, engine) if step_context else contextlib.nullcontext()):
             engine.backward(engine(x, y))
             engine.step()
         accel.synchronize()
@@ -258,6 +269,8 @@ def scenario_problems(st, names, variant, side):
     if w is None:
         return problems + ["the injected operation did not happen"]
     if variant == "oversized":
+        if not w["bucket_before"]:
+            problems.append("the oversized gradient's hook found the bucket empty (its flush orders the reduction)")
         if side is not None and w["issued_on"] == "side":
             problems.append("the oversized gradient was reduced from the stream that produced it")
         if w["producer_busy"] is False:
