@@ -14,7 +14,9 @@ autograd in ``param.grad`` rather than from a compiled backward graph:
   Dynamo skips as a whole while still compiling the frames it calls.
 * ``tied``: the embedding lookup runs in a ``torch.compiler.disable``'d function and the output
   projection, in the compiled graph, reuses the embedding weight: one parameter gets one share of
-  its gradient from the graph and one from eager autograd.
+  its gradient from the graph and one from eager autograd. Runs in fp32: in bf16 (2xH200) the tied weight's gradient
+  matched eager ZeRO-3 within 1% but the compiled-only body's differed by 3.5-5.2% (bf16 rounding of a
+  differently fused graph), over the test's tolerance.
 
 Each rank writes a JSON report to $DIST_RESULT_DIR/rank<RANK>.json.
 """
@@ -92,12 +94,12 @@ def make_model(variant):
     return {"skipped_frame": SkippedFrame, "loop_frame": LoopFrame, "tied": Tied}[variant]()
 
 
-def ds_config(deepcompile):
+def ds_config(deepcompile, variant):
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": GAS,
         "bf16": {
-            "enabled": True
+            "enabled": variant != "tied"
         },
         "optimizer": {
             "type": "Adam",
@@ -143,7 +145,7 @@ def train(variant, deepcompile, rank, device):
     model = make_model(variant)
     engine, _, _, _ = deepspeed.initialize(model=model,
                                            model_parameters=model.parameters(),
-                                           config=ds_config(deepcompile))
+                                           config=ds_config(deepcompile, variant))
     if deepcompile:
         engine.compile()
     rec = {

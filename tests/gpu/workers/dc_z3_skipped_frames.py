@@ -13,6 +13,9 @@ job "abandon"   the "peak" model plus a weight the skipped function reads direct
                 Allocated bytes and the parameters left gathered after every operation, losses.
 job "tied"      one Linear used in the skipped function (called as a module) and again, after it, in a compiled
                 region; gradient accumulation 2. Full gradients after every optimizer-step boundary, losses.
+                In fp32: from the second boundary on the two runs compare gradients at their own weights, and bf16
+                weights that rounded differently after one step differ by whole ulps (gradients then differ by
+                several percent for every parameter, tied or not).
 job "loop"      the skipped frame is skipped because of a graph break inside a loop; it reads the weights
                 directly. Losses, full gradients after the first backward.
 
@@ -107,11 +110,15 @@ PLANS = {
 GAS = {"peak": 1, "abandon": 1, "tied": 2, "loop": 1}
 
 
-def make_batch(rank, index, device):
+def dtype_of(job):
+    return torch.float32 if job == "tied" else torch.bfloat16
+
+
+def make_batch(rank, index, device, dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(1000 * (rank + 1) + index)
     x = torch.randn(MICRO_BATCH, SEQ, HIDDEN, generator=gen)
     y = 0.5 * x.roll(1, dims=-1)
-    return x.to(device, torch.bfloat16), y.to(device, torch.bfloat16)
+    return x.to(device, dtype), y.to(device, dtype)
 
 
 def ds_config(job, deepcompile):
@@ -119,7 +126,7 @@ def ds_config(job, deepcompile):
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": GAS[job],
         "bf16": {
-            "enabled": True
+            "enabled": dtype_of(job) == torch.bfloat16
         },
         "optimizer": {
             "type": "Adam",
@@ -197,7 +204,7 @@ def run(job, deepcompile, rank, device, rec, reporter):
     for op, index in PLANS[job]:
         rec["reached"] = f"{op} {index}"
         reporter.write()
-        x, y = make_batch(rank, index, device)
+        x, y = make_batch(rank, index, device, dtype_of(job))
         torch.cuda.synchronize()
         gc.collect()
         start = torch.cuda.memory_allocated()
