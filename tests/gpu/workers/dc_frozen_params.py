@@ -21,15 +21,16 @@ Each rank writes a JSON report to $DIST_RESULT_DIR/rank<RANK>.json, rewritten as
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from founding_common import describe, run_worker, setup_device  # noqa: E402
 
 VOCAB = 1024
 HIDDEN = 512
@@ -123,7 +124,7 @@ def probe_backend_inputs(rec):
     return lambda: setattr(init_z12, "make_backend", original_make_backend)
 
 
-def run(stage, variant, deepcompile, rank, device, rec, reporter):
+def run(stage, variant, deepcompile, rank, device, rec, report):
     import deepspeed
     import torch._dynamo.utils as dynamo_utils
 
@@ -146,7 +147,7 @@ def run(stage, variant, deepcompile, rank, device, rec, reporter):
     initial = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     for step in range(STEPS):
         rec["reached"] = f"step {step}"
-        reporter.write()
+        report.write()
         ids, labels = make_batch(rank, step, device)
         loss = engine(ids, labels)
         engine.backward(loss)
@@ -161,76 +162,28 @@ def run(stage, variant, deepcompile, rank, device, rec, reporter):
         stats = dynamo_utils.counters.get("stats", {})
         rec["dynamo_unique_graphs"] = int(stats.get("unique_graphs", 0))
     rec["reached"] = "done"
-    reporter.write()
+    report.write()
     engine.destroy()
 
 
-class Reporter:
-
-    def __init__(self, path, payload):
-        self.path = path
-        self.payload = payload
-
-    def write(self):
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.payload, f, indent=1)
-        os.replace(tmp, self.path)
-
-
-def main():
+def main(report):
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", type=int, required=True, choices=[1, 2])
     parser.add_argument("--variant", required=True, choices=["frozen", "no_grad_param"])
     args = parser.parse_args()
-
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-
-    import deepspeed
-    deepspeed.init_distributed()
-
-    payload = {
-        "rank": rank,
-        "world_size": int(os.environ["WORLD_SIZE"]),
-        "stage": args.stage,
-        "variant": args.variant,
-        "deepspeed_version": deepspeed.__version__,
-        "deepspeed_file": deepspeed.__file__,
-        "torch_version": torch.__version__,
-        "device": torch.cuda.get_device_name(),
-        "error": None,
-    }
-    reporter = Reporter(os.path.join(os.environ["DIST_RESULT_DIR"], f"rank{rank}.json"), payload)
-    try:
-        # One DeepCompile engine per process: DeepCompile keeps process-global hooks.
-        for name, deepcompile in (("eager", False), ("deepcompile", True)):
-            rec = payload[name] = {
-                "reached": None,
-                "losses": [],
-                "param_changed": {},
-                "requires_grad": {},
-                "backend_calls": []
-            }
-            start = time.time()
-            run(args.stage, args.variant, deepcompile, rank, device, rec, reporter)
-            rec["seconds"] = round(time.time() - start, 1)
-            reporter.write()
-            gc.collect()
-            torch.cuda.empty_cache()
-    except BaseException:
-        payload["error"] = traceback.format_exc()
-        reporter.write()
-        print(f"[rank {rank}] worker failed:\n{payload['error']}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        # The other rank may wait in a collective; torchrun stops it.
-        os._exit(1)
-
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
+    device = setup_device()
+    describe(report)
+    report.update(stage=args.stage, variant=args.variant)
+    # One DeepCompile engine per process: DeepCompile keeps process-global hooks.
+    for name, deepcompile in (("eager", False), ("deepcompile", True)):
+        rec = report[name] = dict(reached=None, losses=[], param_changed={}, requires_grad={}, backend_calls=[])
+        start = time.time()
+        run(args.stage, args.variant, deepcompile, report["rank"], device, rec, report)
+        rec["seconds"] = round(time.time() - start, 1)
+        report.write()
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main()
+    run_worker("z12-frozen-params", main)
