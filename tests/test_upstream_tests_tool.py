@@ -1,0 +1,463 @@
+"""tools/upstream-tests on a tiny fake upstream tests/ tree and fake deepspeed packages (fast, CPU only)."""
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, "tools", "upstream-tests")
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from upstream_tests import report  # noqa: E402
+
+
+def _load_tool():
+    loader = importlib.machinery.SourceFileLoader("upstream_tests_cli", TOOL)
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+cli = _load_tool()
+
+CONFTEST = """\
+import os, sys
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # as upstream's does
+{extra}
+"""
+PYTEST_INI = """\
+[pytest]
+addopts = -m "not sequential and not nightly"
+markers =
+    sequential: run alone
+    nightly: not in CI
+"""
+TESTS = """\
+import pytest
+import deepspeed
+
+
+def test_passes():
+    assert deepspeed.__version__
+
+
+def test_fails():
+    assert deepspeed.missing_api()
+
+
+@pytest.mark.skip(reason="needs a GPU")
+def test_skips():
+    pass
+
+
+@pytest.mark.xfail(reason="upstream knows", strict=True)
+def test_upstream_xfail():
+    assert False
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_param(n):
+    assert n != 3
+
+
+@pytest.mark.sequential
+def test_sequential():
+    pass
+
+
+@pytest.mark.nightly
+def test_nightly():
+    pass
+"""
+ALL_IDS = ["unit/test_a.py::test_fails", "unit/test_a.py::test_param[1]", "unit/test_a.py::test_param[2]",
+           "unit/test_a.py::test_param[3]", "unit/test_a.py::test_passes", "unit/test_a.py::test_sequential",
+           "unit/test_a.py::test_skips", "unit/test_a.py::test_upstream_xfail", "unit/test_broken.py"]
+HONEST = """\
+# the fake's known failures
+unit/test_a.py::test_fails | calls an API this deepspeed lacks
+unit/test_a.py::test_param[3] | parameter 3 fails
+unit/test_broken.py | imports a module that is gone
+"""
+
+
+def _write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _fake_deepspeed(site, version):
+    _write(os.path.join(site, "deepspeed", "__init__.py"), f"__version__ = {version!r}\n")
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """An upstream checkout (with its own deepspeed/ beside tests/) and a fork install in a --target dir."""
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    _fake_deepspeed(str(checkout), "0.0.0-checkout")
+    _fake_deepspeed(str(site), "0.19.8+fork.1")
+    tests = checkout / "tests"
+    _write(str(tests / "conftest.py"), CONFTEST.format(extra=""))
+    _write(str(tests / "pytest.ini"), PYTEST_INI)
+    _write(str(tests / "unit" / "test_a.py"), TESTS)
+    _write(str(tests / "unit" / "test_broken.py"), "import deepspeed.gone\n")
+    _write(str(tmp_path / "expected.txt"), HONEST)
+    return tmp_path
+
+
+def run_tool(fake, *args, expected=True, site="site", plain=True):
+    cmd = [sys.executable, TOOL, str(fake / "checkout" / "tests"), "--matrix", "cpu", "--out", str(fake / "out")]
+    if plain:  # no xdist, no pytest-forked: fast
+        cmd += ["--workers", "0", "--no-forked"]
+    if site:
+        cmd += ["--deepspeed-path", str(fake / site)]
+    if not expected:  # none, rather than the repository's file
+        _write(str(fake / "none.txt"), "")
+    cmd += ["--expected", str(fake / ("expected.txt" if expected else "none.txt"))]
+    res = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
+    summary = None
+    if os.path.exists(fake / "out" / "summary.json"):
+        with open(fake / "out" / "summary.json") as f:
+            summary = json.load(f)
+    return res, summary
+
+
+def verdicts(summary):
+    return {r["nodeid"]: r["verdict"] for r in summary["tests"]}
+
+
+# --- end to end on the fake tree ----------------------------------------------------------------------------
+
+
+def test_runs_the_installed_package_not_the_checkouts(fake):
+    res, summary = run_tool(fake)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert summary["info"]["deepspeed"] == "0.19.8+fork.1" and summary["target"] == "fork"
+    assert os.path.realpath(summary["info"]["deepspeed_dir"]) == os.path.realpath(fake / "site" / "deepspeed")
+    assert summary["counts"] == {"passed": 4, "failed": 0, "xfailed": 4, "skipped": 1, "unexpected-pass": 0}
+    assert sorted(verdicts(summary)) == ALL_IDS  # both passes; nightly deselected as upstream's pytest.ini says
+    assert verdicts(summary)["unit/test_a.py::test_upstream_xfail"] == "xfailed"
+    assert verdicts(summary)["unit/test_broken.py"] == "xfailed"
+    cases = {c.get("name"): c for c in ET.parse(fake / "out" / "junit.xml").iter("testcase")}
+    assert len(cases) == len(ALL_IDS)
+    assert cases["test_fails"].find("skipped").get("message") == "calls an API this deepspeed lacks"
+    assert cases["test_passes"].find("skipped") is None and cases["test_passes"].find("failure") is None
+
+
+def test_guard_stops_a_conftest_that_shadows_the_package(fake):
+    _write(str(fake / "checkout" / "tests" / "conftest.py"),
+           CONFTEST.format(extra=f"sys.path.insert(0, {str(fake / 'checkout')!r})"))
+    res, summary = run_tool(fake)
+    assert res.returncode == 2 and summary is None
+    assert "deepspeed is imported from" in res.stderr and "shadows it" in res.stderr
+
+
+def test_guard_refuses_a_package_inside_the_checkout(fake):
+    res, _ = run_tool(fake, site="checkout")
+    assert res.returncode == 2 and "lies inside the upstream checkout" in res.stderr
+
+
+def test_unexpected_failure_and_unexpected_pass_exit_nonzero(fake):
+    _write(str(fake / "expected.txt"), "unit/test_a.py::test_passes | wrongly listed\nunit/test_broken.py | gone\n")
+    res, summary = run_tool(fake)
+    assert res.returncode == 1
+    v = verdicts(summary)
+    assert v["unit/test_a.py::test_passes"] == "unexpected-pass" and v["unit/test_a.py::test_fails"] == "failed"
+    assert "UNEXPECTED-PASS unit/test_a.py::test_passes" in res.stdout
+    assert "FAILED unit/test_a.py::test_fails" in res.stdout
+
+
+def test_fork_only_entries_do_not_apply_to_upstream(fake):
+    fork_only = HONEST.replace("unit/test_a.py::test_fails |", "[fork] unit/test_a.py::test_fails |")
+    _write(str(fake / "expected.txt"), fork_only)
+    assert run_tool(fake, "--only", "test_fails")[0].returncode == 0
+    _fake_deepspeed(str(fake / "site"), "0.19.8")
+    res, summary = run_tool(fake, "--only", "test_fails")
+    assert res.returncode == 1 and summary["target"] == "upstream"
+    assert verdicts(summary) == {"unit/test_a.py::test_fails": "failed"}
+
+
+def test_shards_partition_the_matrix(fake):
+    seen = []
+    for i in (1, 2, 3):
+        res, summary = run_tool(fake, "--shard", f"{i}/3")
+        assert res.returncode == 0, res.stdout + res.stderr
+        seen.append(sorted(verdicts(summary)))
+    assert [len(s) for s in seen] == [3, 3, 3]
+    assert sorted(sum(seen, [])) == ALL_IDS
+
+
+def test_only_narrows_the_selection(fake):
+    res, summary = run_tool(fake, "--only", "test_param", "--only", "test_passes")
+    assert res.returncode == 0
+    assert sorted(verdicts(summary)) == ["unit/test_a.py::test_param[1]", "unit/test_a.py::test_param[2]",
+                                         "unit/test_a.py::test_param[3]", "unit/test_a.py::test_passes"]
+
+
+def test_stale_entry_fails_the_run(fake):
+    _write(str(fake / "expected.txt"), HONEST + "unit/test_a.py::test_renamed | gone upstream\n")
+    res, summary = run_tool(fake)
+    assert res.returncode == 1 and summary["stale"] == ["line 5: unit/test_a.py::test_renamed"]
+
+
+def test_xdist_and_forked_passes(fake):
+    pytest.importorskip("xdist")
+    pytest.importorskip("pytest_forked")
+    res, summary = run_tool(fake, "--workers", "2", plain=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert summary["counts"]["xfailed"] == 4 and summary["counts"]["passed"] == 4
+
+
+def test_gpu_compile_runs_launcher_scripts_not_collects_them(fake):
+    tests = fake / "checkout" / "tests"
+    _write(str(tests / "unit" / "v1" / "compile" / "test_c.py"), "def test_c():\n    pass\n")
+    _write(str(tests / "torch_compile" / "test_compile.py"), "raise SystemExit('not a pytest file')\n")
+    _write(str(tests / "torch_compile" / "test_deepcompile_z3_release.py"), "def test_z():\n    pass\n")
+    res, summary = run_tool(fake, "--matrix", "gpu-compile", expected=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert verdicts(summary) == {"torch_compile/test_compile.py::launcher[ds_config_z2.json]": "skipped",
+                                 "torch_compile/test_compile.py::launcher[ds_config_z3.json]": "skipped",
+                                 "torch_compile/test_deepcompile_z3_release.py::test_z": "passed",
+                                 "unit/v1/compile/test_c.py::test_c": "passed"}
+
+
+DISTRIBUTED = """\
+class DistributedTest:
+    world_size = 2
+
+
+class TestTwoRanks(DistributedTest):
+    def test_a(self):
+        pass
+
+    def test_b(self):
+        pass
+
+
+class TestPlain:
+    def test_c(self):
+        pass
+
+
+def test_d():
+    pass
+"""
+
+
+def test_plan_and_shards_weigh_distributed_tests(fake):
+    tests = fake / "checkout" / "tests"
+    _write(str(tests / "unit" / "v1" / "zero" / "test_z.py"), DISTRIBUTED)
+    res, _ = run_tool(fake, "--matrix", "gpu-zero", "--plan", "40", expected=False)
+    # estimates: 30 s for each DistributedTest method, 2 s for the other two: 64 s, two shards of <= 40 s
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "4 node ids, estimated 64 s; 2 shards of at most 40 s" in res.stdout
+    assert "shard 1/2: 2 node ids, estimated 32 s" in res.stdout and "shard 2/2: 2 node ids, estimated 32 s" in res.stdout
+    res, _ = run_tool(fake, "--matrix", "gpu-zero", "--shard", "1/2", "--collect-only", expected=False)
+    ids = [line for line in res.stdout.splitlines() if line.startswith("unit/")]
+    assert len(ids) == 2 and sum("TestTwoRanks" in x for x in ids) == 1  # one distributed test per shard
+
+
+def test_measured_durations_replace_estimates(fake):
+    tests = fake / "checkout" / "tests"
+    _write(str(tests / "unit" / "v1" / "zero" / "test_z.py"), DISTRIBUTED)
+    measured = fake / "earlier.json"
+    rows = [{"nodeid": "unit/v1/zero/test_z.py::TestTwoRanks::test_a", "seconds": 100.0, "message": ""},
+            {"nodeid": "unit/v1/zero/test_z.py::TestTwoRanks::test_b", "seconds": 0.0, "message": "no result: x"}]
+    _write(str(measured), json.dumps({"tests": rows}))
+    res, _ = run_tool(fake, "--matrix", "gpu-zero", "--plan", "100", "--durations", str(measured), expected=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "estimated 134 s; 2 shards" in res.stdout and "shard 1/2: 1 node ids, estimated 100 s" in res.stdout
+
+
+def test_merge_adds_up_shards(fake):
+    dirs = []
+    for i in (1, 2):
+        run_tool(fake, "--shard", f"{i}/2")
+        dirs.append(str(fake / f"out{i}"))
+        os.rename(fake / "out", dirs[-1])
+    res = subprocess.run([sys.executable, TOOL, "--merge"] + dirs, capture_output=True, text=True)
+    assert res.returncode == 0 and "4 passed, 0 failed, 4 xfailed, 1 skipped, 0 unexpected-pass" in res.stdout
+
+
+def test_the_repositorys_expected_failures_file():
+    """Parses; uses only the documented tags; a fork-only entry names the patch of patches/series behind it."""
+    entries = report.load(os.path.join(REPO, "tests", "upstream", "expected-failures.txt"))
+    assert entries
+    assert set().union(*(e.tags for e in entries)) <= {"fork", "upstream", "edaa722", "offline"}
+    with open(os.path.join(REPO, "patches", "series")) as f:
+        patches = [line.strip().removesuffix(".patch") for line in f if line.strip() and not line.startswith("#")]
+    for e in entries:
+        assert e.nodeid.startswith(("unit/", "torch_compile/")), e
+        if "fork" in e.tags:
+            assert any(f"patch {p} " in e.reason for p in patches), e
+
+
+FAKE_ACCELERATOR = """\
+import os, sys
+
+
+class _Builder:
+    def __init__(self, name):
+        self.name = name
+
+    def load(self):
+        if self.name == "BrokenBuilder":
+            raise ValueError("not implemented on this backend")
+        with open(os.environ["FAKE_BUILD_LOG"], "a") as f:
+            f.write(f"{self.name} {os.getcwd()}\\n")
+
+
+class _Accelerator:
+    def create_op_builder(self, name):
+        return _Builder(name)
+
+
+def get_accelerator():
+    return _Accelerator()
+"""
+
+
+def test_prebuild_builds_in_the_same_staged_tree_each_run(fake, monkeypatch):
+    _write(str(fake / "site" / "deepspeed" / "accelerator" / "__init__.py"), FAKE_ACCELERATOR)
+    monkeypatch.setenv("FAKE_BUILD_LOG", str(fake / "builds.txt"))
+    for _ in range(2):
+        res, _ = run_tool(fake, "--prebuild", "BrokenBuilder", "FusedAdamBuilder", "--prebuild-only")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "prebuilding BrokenBuilder failed" in res.stdout and "prebuilt FusedAdamBuilder" in res.stdout
+    with open(fake / "builds.txt") as f:
+        builds = f.read().split()
+    assert builds[0::2] == ["FusedAdamBuilder", "FusedAdamBuilder"]
+    # both runs built under one directory (build flags name it, so the second run reuses the first's ops)
+    assert builds[1] == builds[3] and builds[1].endswith("/tests")
+
+
+def test_staged_tree_is_fixed_per_package_unless_in_use(tmp_path):
+    tests = tmp_path / "tests"
+    _write(str(tests / "conftest.py"), "")
+    root1, lock1 = cli.stage(str(tests), str(tmp_path / "pkg"))
+    root2, lock2 = cli.stage(str(tests), str(tmp_path / "pkg"))  # while the first holds it
+    other, lock3 = cli.stage(str(tests), str(tmp_path / "pkg2"))
+    try:
+        assert lock1 and lock2 is None and root2 != root1 and lock3 and other != root1
+        assert os.path.isfile(os.path.join(root2, "tests", "conftest.py"))
+    finally:
+        for lock in (lock1, lock3):
+            lock.close()
+    root4, lock4 = cli.stage(str(tests), str(tmp_path / "pkg"))
+    lock4.close()
+    for root in (root1, root2, other):
+        shutil.rmtree(root)
+    assert root4 == root1
+
+
+# --- the pieces ---------------------------------------------------------------------------------------------
+
+
+def test_expected_file_format():
+    entries = report.parse(textwrap.dedent("""\
+        # comment
+
+        unit/a.py::T::t[I am 6' tall] | needs libaio | and NVMe
+        [fork] unit/v1/compile/test_f.py::test_g | the fork's end_backward takes two arguments
+        [upstream,offline] unit/b/ | downloads a model
+        """))
+    assert [(e.nodeid, e.tags, e.line) for e in entries] == [
+        ("unit/a.py::T::t[I am 6' tall]", frozenset(), 3),
+        ("unit/v1/compile/test_f.py::test_g", {"fork"}, 4),
+        ("unit/b/", {"upstream", "offline"}, 5)]
+    assert entries[0].reason == "needs libaio | and NVMe"
+    for bad in ("unit/a.py::t\n", "unit/a.py::t | \n", "[fork unit/a.py::t | r\n", "a.py | r\na.py | r2\n"):
+        with pytest.raises(ValueError):
+            report.parse(bad)
+
+
+def test_entries_match_at_node_id_boundaries_and_the_longest_wins():
+    entries = report.parse("unit/a.py::T | class\nunit/a.py::T::t[1] | one\nunit/b | dir\n[fork] unit/c.py | c\n")
+    assert report.lookup(entries, "unit/a.py::T::t[1]", frozenset()).reason == "one"
+    assert report.lookup(entries, "unit/a.py::T::t[2]", frozenset()).reason == "class"
+    assert report.lookup(entries, "unit/a.py::Tx::t", frozenset()) is None
+    assert report.lookup(entries, "unit/b/x.py::t", frozenset()).reason == "dir"
+    assert report.lookup(entries, "unit/bx.py::t", frozenset()) is None
+    assert report.lookup(entries, "unit/c.py::t", frozenset(["upstream"])) is None
+    assert report.lookup(entries, "unit/c.py::t", frozenset(["fork", "offline"])).reason == "c"
+
+
+@pytest.mark.parametrize("outcome,listed,expected", [
+    ("passed", False, "passed"), ("passed", True, "unexpected-pass"), ("failed", False, "failed"),
+    ("failed", True, "xfailed"), ("skipped", True, "skipped"), ("xfailed", False, "xfailed")])
+def test_verdicts(outcome, listed, expected):
+    entry = report.Entry("x", "reason", frozenset(), 1) if listed else None
+    assert report.verdict(outcome, entry) == expected
+
+
+def test_summary_ok_only_without_unexpected_results():
+    entries = report.parse("unit/a.py::t | r\n")
+    good = report.summarize({"unit/a.py::t": ("failed", "E", 1.0), "unit/a.py::u": ("passed", "", 1.0)}, entries,
+                            frozenset(), ["unit/a.py::t", "unit/a.py::u"])
+    assert good["ok"] and good["counts"]["xfailed"] == 1 and good["counts"]["passed"] == 1
+    assert not report.summarize({"unit/a.py::t": ("passed", "", 1.0)}, entries, frozenset(), ["unit/a.py::t"])["ok"]
+
+
+def test_only_entries_inside_the_matrix_can_be_stale():
+    # one file serves every matrix: an entry for another matrix's directory is not stale here
+    entries = report.parse("unit/v1/zero/test_z.py::t | zero\nunit/v1/compile/test_gone.py::t | renamed\n")
+    collected = ["unit/v1/compile/test_c.py::t"]
+    assert report.summarize({}, entries, frozenset(), collected, scope=["unit/v1/compile"])["stale"] == [
+        "line 2: unit/v1/compile/test_gone.py::t"]
+    assert report.summarize({}, entries, frozenset(), collected)["stale"] == [
+        "line 1: unit/v1/zero/test_z.py::t", "line 2: unit/v1/compile/test_gone.py::t"]
+    assert not report.in_scope("unit/v1/compiler/x.py", ["unit/v1/compile"])
+
+
+def test_only_active_entries_can_be_stale():
+    entries = report.parse("[edaa722] unit/gone.py | removed in a later checkout\n")
+    assert report.summarize({}, entries, frozenset(["fork"]), ["unit/a.py::t"])["ok"]
+    assert report.summarize({}, entries, frozenset(["fork", "edaa722"]), ["unit/a.py::t"])["stale"] == [
+        "line 1: unit/gone.py"]
+
+
+def test_shard_is_a_deterministic_partition():
+    ids = [f"unit/t{k}.py::test" for k in range(23)]
+    shards = [cli.shard(reversed(ids), i, 4) for i in range(1, 5)]
+    assert sorted(sum(shards, [])) == sorted(ids) and max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert shards == [cli.shard(ids, i, 4) for i in range(1, 5)]
+    assert shards == [sorted(ids)[i::4] for i in range(4)]  # equal times: every 4th node id
+
+
+def test_shards_balance_estimated_time():
+    # every third node id is slow: dealt round-robin, all four would land in shard 1 (120 s + 0 s + 0 s)
+    seconds = {f"unit/t{k:02d}.py::t": 30 if k % 3 == 0 else 2 for k in range(12)}
+    parts = cli.shards(list(seconds), 3, seconds)
+    assert sorted(sum(parts, [])) == sorted(seconds)
+    assert [sum(seconds[x] for x in p) for p in parts] == [60, 38, 38]
+    assert [sum(seconds[x] == 30 for x in p) for p in parts] == [2, 1, 1]
+
+
+def test_plan_finds_the_fewest_shards_within_the_budget():
+    seconds = {f"unit/slow{k}.py::t": 30 for k in range(6)}
+    seconds.update({f"unit/fast{k}.py::t": 2 for k in range(10)})
+    parts, loads = cli.plan(list(seconds), seconds, 70)
+    assert len(parts) == 3 and max(loads) <= 70
+    assert max(sum(seconds[x] for x in p) for p in cli.shards(list(seconds), 2, seconds)) > 70
+    # a test longer than the budget gets a shard to itself; the others share shards within its time
+    seconds = {"a": 500, "b": 1, "c": 1}
+    parts, loads = cli.plan(list(seconds), seconds, 100)
+    assert parts == [["a"], ["b", "c"]] and loads == [500, 2]
+
+
+def test_outcome_of_reports():
+    def rep(when, outcome, xfail=False, message=""):
+        return {"when": when, "outcome": outcome, "xfail": xfail, "message": message}
+    assert cli.outcome([rep("setup", "passed"), rep("call", "passed"), rep("teardown", "passed")]) == ("passed", "")
+    assert cli.outcome([rep("setup", "failed", message="E")]) == ("failed", "setup: E")
+    assert cli.outcome([rep("setup", "passed"), rep("call", "skipped", True, "x")]) == ("xfailed", "x")
+    assert cli.outcome([rep("setup", "skipped", message="no GPU")]) == ("skipped", "no GPU")
+    assert cli.outcome([rep("call", "passed"), rep("teardown", "failed", message="E")]) == ("failed", "teardown: E")

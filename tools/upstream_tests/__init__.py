@@ -1,0 +1,1 @@
+"""Helpers of tools/upstream-tests: the expected-failures files and verdicts (report), the pytest plugin."""
