@@ -4,9 +4,9 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import xml.etree.ElementTree as ET
 
@@ -122,7 +122,8 @@ def run_tool(fake, *args, expected=True, site="site", plain=True):
     if not expected:  # none, rather than the repository's file
         _write(str(fake / "none.txt"), "")
     cmd += ["--expected", str(fake / ("expected.txt" if expected else "none.txt"))]
-    res = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
+    env = dict(os.environ, TMPDIR=str(fake))  # the staged tree and its lock file stay inside the test's directory
+    res = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120, env=env)
     summary = None
     if os.path.exists(fake / "out" / "summary.json"):
         with open(fake / "out" / "summary.json") as f:
@@ -339,7 +340,8 @@ def test_prebuild_builds_in_the_same_staged_tree_each_run(fake, monkeypatch):
     assert builds[1] == builds[3] and builds[1].endswith("/tests")
 
 
-def test_staged_tree_is_fixed_per_package_unless_in_use(tmp_path):
+def test_staged_tree_is_fixed_per_package_unless_in_use(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     tests = tmp_path / "tests"
     _write(str(tests / "conftest.py"), "")
     root1, lock1 = cli.stage(str(tests), str(tmp_path / "pkg"))
@@ -353,9 +355,7 @@ def test_staged_tree_is_fixed_per_package_unless_in_use(tmp_path):
             lock.close()
     root4, lock4 = cli.stage(str(tests), str(tmp_path / "pkg"))
     lock4.close()
-    for root in (root1, root2, other):
-        shutil.rmtree(root)
-    assert root4 == root1
+    assert root4 == root1 and all(r.startswith(str(tmp_path)) for r in (root1, root2, other))
 
 
 # --- the pieces ---------------------------------------------------------------------------------------------
