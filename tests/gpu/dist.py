@@ -160,6 +160,11 @@ class DistJob:
                                       start_new_session=True)
         return self
 
+    def done(self) -> bool:
+        """True once the job has exited or run past its timeout (``wait()`` then returns at once)."""
+        assert self._proc is not None, "start() first"
+        return self._proc.poll() is not None or time.monotonic() - self._start > self.timeout
+
     def _kill(self):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:

@@ -1,0 +1,228 @@
+"""The model zoo: Hugging Face model families under DeepCompile ZeRO-1/2/3, through the loop a Trainer user runs.
+
+Every zoo model (tests/gpu/zoo_models.py) x ZeRO stage 1, 2, 3 runs workers/zoo_cell.py twice, eagerly (the
+reference) and with DeepCompile, each cell a process of its own, all side by side on one GPU (ZOO_PARALLEL at
+once). A DeepCompile cell that finished is resumed from its checkpoint in a new process. Plain engine.compile()
+of each model at stage 1 measures the spread that the loss tolerance must cover. The Trainer runs the zoo's
+Llama with torch_compile=True, with and without DeepCompile (workers/zoo_trainer.py).
+
+Checked per DeepCompile cell: no error; training, evaluation (no_grad with labels, inference_mode logits) within
+the model's tolerance of eager DeepSpeed; allocated memory before each optimizer step flat once warm; no ZeRO-3
+parameter left gathered after a step; no new Dynamo graph nor DeepCompile profiling run for a new sequence length
+once warm; the resumed engine's losses equal the uninterrupted ones; greedy generate() with the KV cache works.
+
+GPU_TEST_REPORT_DIR keeps every cell's JSON report and the summary zoo-<deepspeed version>.json that
+tools/zoo-table renders for docs/model-zoo.md.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import pytest
+
+from dist import DistJob, skip_reason
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import zoo_models  # noqa: E402
+from zoo_models import ZOO  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CELL = os.path.join(HERE, "workers", "zoo_cell.py")
+TRAINER = os.path.join(HERE, "workers", "zoo_trainer.py")
+STAGES = (1, 2, 3)
+TRAINER_STAGES = (1, 3)
+PARALLEL = int(os.environ.get("ZOO_PARALLEL", "14"))  # ZOO_MODELS=a,b runs only those rows
+CELL_DEADLINE_S = float(os.environ.get("ZOO_CELL_DEADLINE_S", "360"))
+ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).
+MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
+# A resumed engine runs the same compiled code on the same state: its losses match to bf16 rounding.
+RESUME_RTOL = 1e-3
+
+
+def _cells():
+    cells = []
+    models = [m for m in os.environ.get("ZOO_MODELS", "").split(",") if m] or list(ZOO)
+    for model in models:
+        for stage in STAGES:
+            cells += [("cell", model, stage, "deepcompile"), ("cell", model, stage, "eager")]
+        cells.append(("cell", model, 1, "compile"))
+    cells += [("trainer", "llama", stage, mode) for stage in TRAINER_STAGES for mode in ("deepcompile", "compile")]
+    # Longest first: DeepCompile ZeRO-3 and the Trainer compile the most.
+    return sorted(cells, key=lambda c: (c[3] != "deepcompile", c[0] != "trainer", -c[2]))
+
+
+def _job(key, tmp):
+    kind, model, stage, mode = key[:4]
+    ckpt = os.path.join(tmp, f"{model}-z{stage}-{mode}")
+    args = ["--stage", stage, "--mode", mode, "--deadline", CELL_DEADLINE_S]
+    if kind == "trainer":
+        return DistJob(TRAINER, args + ["--out", ckpt], nprocs=1, timeout=CELL_DEADLINE_S + 60, env=ENV)
+    args += ["--model", model, "--ckpt", ckpt]
+    if kind == "resume":
+        args += ["--phase", "resume"]
+    return DistJob(CELL, args, nprocs=1, timeout=CELL_DEADLINE_S + 60, env=ENV)
+
+
+def _run_all(cells, tmp, on_result):
+    """Run every cell, PARALLEL at a time; queue a finished DeepCompile cell's resume."""
+    queue, running, results = list(cells), {}, {}
+    while queue or running:
+        while queue and len(running) < PARALLEL:
+            key = queue.pop(0)
+            running[key] = _job(key, tmp).start()
+        for key, job in list(running.items()):
+            if job.done():
+                res = results[key] = job.wait()
+                del running[key]
+                on_result(key, res)
+                rec = res.results.get(0, {}).get("cell", {})
+                if key[0] == "cell" and key[3] == "deepcompile" and rec.get("reached") == "done":
+                    queue.insert(0, ("resume", ) + key[1:])
+        time.sleep(0.5)
+    return results
+
+
+def _summary(res):
+    report = res.results.get(0, {})
+    error = report.get("error")
+    out = {"ok": res.ok and error is None, "seconds": round(res.duration_s, 1), "report": report}
+    if not out["ok"]:
+        out["error"] = (error.strip().splitlines()[-1] if error else res.summary())[:300]
+        out["reached"] = report.get("cell", {}).get("reached")
+        out["output_tail"] = error if error else res.tail(60)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    reason = skip_reason(1)
+    if reason:
+        pytest.skip(reason)
+    if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None:
+        pytest.skip("deepspeed and transformers must be importable")
+    import deepspeed
+
+    tmp = tempfile.mkdtemp(prefix="zoo_")
+    start = time.time()
+    results = {}
+    report_dir = os.environ.get("GPU_TEST_REPORT_DIR")
+
+    def on_result(key, res):
+        results[key] = _summary(res)
+        print(f"zoo {time.time() - start:6.1f}s {'/'.join(map(str, key))}: "
+              f"{'ok' if results[key]['ok'] else results[key]['error']}", flush=True)
+        if report_dir:  # rewritten after every cell, so that a run cut short still leaves its table
+            os.makedirs(report_dir, exist_ok=True)
+            name = "zoo-" + deepspeed.__version__.replace("+", "-") + ".json"
+            with open(os.path.join(report_dir, name), "w") as f:
+                json.dump({"deepspeed": deepspeed.__version__, "wall_s": round(time.time() - start, 1),
+                           "cells": {"/".join(map(str, k)): v for k, v in results.items()}}, f, indent=1)
+
+    try:
+        _run_all(_cells(), tmp, on_result)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def _cell(zoo, key):
+    res = zoo.get(key)
+    assert res is not None, f"{key} never ran"
+    print(json.dumps({k: v for k, v in res.items() if k != "report"}, indent=1))
+    assert res["ok"], f"{key}: {res['error']}\n{res.get('output_tail', '')}"
+    rec = res["report"]["cell"]
+    assert rec["reached"] == "done", rec["reached"]
+    return rec
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-6)
+
+
+def _assert_close(name, got, want, rtol):
+    assert len(got) == len(want), f"{name}: {len(got)} values, reference has {len(want)}"
+    worst = max((_rel(a, b) for a, b in zip(got, want)), default=0.0)
+    assert worst <= rtol, f"{name} differ by {worst:.3g} (relative; bound {rtol}):\n got {got}\nwant {want}"
+
+
+def _no_new_compiles(name, snapshots):
+    first, last = snapshots[0], snapshots[-1]
+    assert first == last, (f"{name}: a new sequence length compiled again ({first} -> {last} over "
+                           f"{len(snapshots)} micro-batches of new lengths)")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("model", sorted(ZOO))
+def test_deepcompile_runs_the_user_loop_like_eager(zoo, model, stage):
+    eager = _cell(zoo, ("cell", model, stage, "eager"))
+    dc = _cell(zoo, ("cell", model, stage, "deepcompile"))
+    assert dc["deepcompile_active"], "DeepCompile was not active"
+    tol = ZOO[model].loss_tol
+    _assert_close("training losses", dc["losses"], eager["losses"], tol)
+    _assert_close("evaluation losses", dc["eval_losses"], eager["eval_losses"], tol)
+    _assert_close("inference logits (mean |logit|)", [dc["eval_logits_mean_abs"]], [eager["eval_logits_mean_abs"]], tol)
+    # Warm: after DeepCompile ZeRO-3 recompiles with prefetching at its WARMUP step (5), the last 3 of 8 steps.
+    warm = dc["mem_before_step"][-3:]
+    assert max(warm) - min(warm) <= MEM_SLACK_B, f"allocated memory before each step grows: {dc['mem_before_step']}"
+    assert not any(dc["gathered_after_step"]), f"ZeRO-3 parameters left gathered after steps: {dc['gathered_after_step']}"
+    assert dc["generated"], "generate() produced no token"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("model", sorted(ZOO))
+def test_deepcompile_compiles_are_bounded(zoo, model, stage):
+    """New sequence lengths compile no more graphs under DeepCompile than under plain torch.compile (which makes the
+    changing dimension dynamic), and once warm none at all."""
+    dc = _cell(zoo, ("cell", model, stage, "deepcompile"))
+    plain = _cell(zoo, ("cell", model, 1, "compile"))
+    for name in ("compiles", "eval_compiles"):
+        dc_graphs = [c["graphs"] for c in dc[name]]
+        plain_graphs = [c["graphs"] for c in plain[name]]
+        assert all(d <= p for d, p in zip(dc_graphs, plain_graphs)), (
+            f"{name}: DeepCompile compiled more graphs than plain torch.compile over the same lengths:\n"
+            f"deepcompile {dc_graphs}\nplain       {plain_graphs}\n{dc['recompile_reasons']}")
+    n1 = len(zoo_models_plan()["train"])
+    _no_new_compiles("evaluation under no_grad", dc["eval_compiles"][:2])
+    _no_new_compiles("training after evaluation", [dc["abandon_compiles"]] + dc["compiles"][n1:])
+    assert dc["compiles"][-1]["profiling_runs"] <= 2 * dc["compiles"][-1]["graphs"], dc["compiles"][-1]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("model", sorted(ZOO))
+def test_deepcompile_resume_from_checkpoint(zoo, model, stage):
+    dc = _cell(zoo, ("cell", model, stage, "deepcompile"))
+    resumed = _cell(zoo, ("resume", model, stage, "deepcompile"))
+    after = len(zoo_models_plan()["after"])
+    rtol = ZOO[model].loss_tol if "dropout" in model else RESUME_RTOL
+    _assert_close("losses after load_checkpoint", resumed["losses"], dc["losses"][-after:], rtol)
+
+
+@pytest.mark.parametrize("model", sorted(ZOO))
+def test_loss_tolerance_covers_compile_spread(zoo, model):
+    """The tolerance must cover what plain torch.compile of the same engine already moves the losses by."""
+    eager = _cell(zoo, ("cell", model, 1, "eager"))
+    compiled = _cell(zoo, ("cell", model, 1, "compile"))
+    _assert_close("plain compile vs eager losses", compiled["losses"], eager["losses"], ZOO[model].loss_tol)
+
+
+@pytest.mark.parametrize("stage", TRAINER_STAGES)
+def test_trainer_with_deepcompile(zoo, stage):
+    plain = _cell(zoo, ("trainer", "llama", stage, "compile"))
+    dc = _cell(zoo, ("trainer", "llama", stage, "deepcompile"))
+    print(f"Trainer wall time: deepcompile {dc['train_s']} s, plain torch.compile {plain['train_s']} s; "
+          f"graphs {dc['compiles']} vs {plain['compiles']}")
+    assert len(dc["eval_losses"]) == len(plain["eval_losses"]) > 0
+    _assert_close("Trainer training losses", dc["losses"], plain["losses"], ZOO["llama"].loss_tol)
+    _assert_close("Trainer evaluation losses", dc["eval_losses"], plain["eval_losses"], ZOO["llama"].loss_tol)
+
+
+def zoo_models_plan():
+    sys.path.insert(0, os.path.join(HERE, "workers"))
+    import zoo_cell
+    return zoo_cell.plan()

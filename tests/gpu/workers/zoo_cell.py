@@ -1,0 +1,281 @@
+"""Worker for test_model_zoo.py: one zoo cell (model x ZeRO stage x mode) through the loop a Trainer user runs.
+
+  python tests/gpu/workers/zoo_cell.py --model llama --stage 3 --mode deepcompile --ckpt DIR [--phase resume]
+
+Modes: `eager` (the reference), `compile` (`engine.compile()` without DeepCompile: the spread that sets the loss
+tolerance), `deepcompile` (`"compile": {"deepcompile": true}` and `engine.compile()`).
+
+The loop, bf16, AdamW, gradient accumulation 2, gradient clipping 1.0, every micro-batch a new sequence length
+with right padding in its second row (as a collator that pads to the longest sequence gives):
+  train   3 optimizer steps
+  eval    engine.eval(): 2 batches under torch.no_grad() with labels, 1 under torch.inference_mode() without labels
+          (logits), then engine.train()
+  abandon one forward whose loss is never backpropagated
+  train   3 optimizer steps, then save_checkpoint
+  after   2 optimizer steps (the losses a resumed engine must give)
+  generate  greedy generate() with the KV cache
+Phase `resume` (a new process, as a user resumes): a fresh engine from a differently seeded model, compiled,
+load_checkpoint, then the `after` steps.
+
+Recorded per micro-batch: loss, sequence length, Dynamo graphs compiled so far and DeepCompile profiling runs so far;
+allocated memory before each optimizer step; ZeRO-3 parameters left gathered after each step. The rank writes its
+JSON report to $DIST_RESULT_DIR/rank<RANK>.json after every phase, so a cell that dies leaves its progress. A
+faulthandler deadline prints every thread's stack and exits if the cell hangs.
+"""
+
+import argparse
+import faulthandler
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from founding_common import describe, run_worker, setup_device  # noqa: E402
+import zoo_models  # noqa: E402
+
+MICRO_BATCH = 2
+GRAD_ACC = int(os.environ.get("ZOO_GRAD_ACC", "2"))
+LR = 1e-2
+TRAIN_STEPS, TRAIN2_STEPS, AFTER_STEPS = 3, 3, 2
+EVAL_BATCHES = 2
+# One length per micro-batch, none a multiple of 8: Inductor specializes on divisibility by 8 (alignment), for plain
+# torch.compile and DeepCompile alike, and the zoo counts compiles caused by new lengths, not by alignment.
+LENGTHS = [n for n in range(33, 64) if n % 8]
+
+
+def ds_config(stage, mode):
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": GRAD_ACC,
+        "gradient_clipping": float(os.environ.get("ZOO_CLIP", "1.0")),
+        "bf16": {
+            "enabled": True
+        },
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": LR,
+                "weight_decay": 0.0,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": stage,
+            # The zoo's models are tiny: without this every ZeRO-3 parameter would stay gathered for good.
+            "stage3_param_persistence_threshold": 0,
+        },
+        "steps_per_print": 1_000_000_000,
+    }
+    if mode == "deepcompile":
+        cfg["compile"] = {"deepcompile": True}
+    return cfg
+
+
+def make_batch(index, labels=True):
+    """Micro-batch `index`: a length no other micro-batch of the cell has, the second row right-padded."""
+    length = LENGTHS[index]
+    gen = torch.Generator().manual_seed(1000 + index)
+    # Learnable rows: 16 tokens, each row a chain of one fixed bigram map, so losses fall fast from
+    # ln(vocab) and a gradient that is lost or wrong shows in them.
+    ids = torch.empty(MICRO_BATCH, length, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, 16, (MICRO_BATCH, ), generator=gen)
+    for t in range(1, length):
+        ids[:, t] = (5 * ids[:, t - 1] + 3) % 16
+    ids += 3
+    mask = torch.ones_like(ids)
+    pad = 1 + index % 8
+    mask[1, length - pad:] = 0
+    ids[1, length - pad:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if labels:
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    return batch
+
+
+# Micro-batch indices of each phase; every index is a new sequence length.
+def plan():
+    train = list(range(0, TRAIN_STEPS * GRAD_ACC))
+    n = len(train)
+    evals = list(range(n, n + EVAL_BATCHES + 1))
+    n += len(evals)
+    abandon = n
+    n += 1
+    train2 = list(range(n, n + TRAIN2_STEPS * GRAD_ACC))
+    n += len(train2)
+    after = list(range(n, n + AFTER_STEPS * GRAD_ACC))
+    return dict(train=train, eval=evals, abandon=abandon, train2=train2, after=after)
+
+
+class Counters:
+    """Dynamo graphs compiled and DeepCompile graph profiling runs, as running totals."""
+
+    def __init__(self):
+        import torch._dynamo.utils as dynamo_utils
+
+        self.dynamo_utils = dynamo_utils
+        self.profiling_runs = 0
+        try:
+            import deepspeed.compile.backend as dc_backend
+        except ImportError:
+            return
+        original = dc_backend.run_opt_passes
+
+        def counted(*args, **kwargs):
+            self.profiling_runs += 1
+            return original(*args, **kwargs)
+
+        dc_backend.run_opt_passes = counted
+
+    def capture_recompile_reasons(self, into, limit=12):
+        """Keep the first `limit` reasons Dynamo logs for recompiling (TORCH_LOGS=recompiles)."""
+        import logging
+
+        class Keep(logging.Handler):
+
+            def emit(self, record):
+                msg = record.getMessage()
+                if "ecompil" in msg and len(into) < limit:
+                    into.append(msg[:600])
+
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger("torch._dynamo").addHandler(Keep())
+
+    def snapshot(self):
+        stats = self.dynamo_utils.counters.get("stats", {})
+        return {"graphs": int(stats.get("unique_graphs", 0)), "profiling_runs": self.profiling_runs}
+
+
+def gathered_params(engine):
+    """Names of ZeRO-3 parameters still gathered (persistent ones excepted)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [
+        name for name, p in engine.module.named_parameters()
+        if hasattr(p, "ds_status") and p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not getattr(p, "ds_persist", False)
+    ]
+
+
+def new_engine(args, seed):
+    import deepspeed
+
+    torch.manual_seed(seed)
+    model = zoo_models.build(args.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config(args.stage, args.mode))
+    if args.mode != "eager":
+        engine.compile()
+    return engine
+
+
+def to(batch, device):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def train_steps(engine, indices, device, rec, counters, report, phase):
+    stage3 = engine.zero_optimization_stage() == 3
+    for i in indices:
+        rec["reached"] = f"{phase} micro-batch {i}"
+        report.write()
+        batch = make_batch(i)
+        loss = engine(**to(batch, device)).loss
+        engine.backward(loss)
+        if engine.is_gradient_accumulation_boundary():
+            rec["mem_before_step"].append(torch.cuda.memory_allocated())
+        engine.step()
+        rec["losses"].append(loss.item())
+        rec["lengths"].append(batch["input_ids"].shape[1])
+        rec["compiles"].append(counters.snapshot())
+        if stage3 and (i + 1) % GRAD_ACC == 0:
+            rec["gathered_after_step"].append(len(gathered_params(engine)))
+
+
+def evaluate(engine, indices, device, rec, counters, report):
+    engine.eval()
+    for j, i in enumerate(indices):
+        rec["reached"] = f"eval batch {i}"
+        report.write()
+        if j < EVAL_BATCHES:
+            with torch.no_grad():
+                out = engine(**to(make_batch(i), device))
+            rec["eval_losses"].append(out.loss.item())
+        else:
+            with torch.inference_mode():
+                out = engine(**to(make_batch(i, labels=False), device))
+            rec["eval_logits_mean_abs"] = out.logits.float().abs().mean().item()
+        rec["eval_compiles"].append(counters.snapshot())
+    engine.train()
+
+
+def generate(engine, device, rec):
+    engine.eval()
+    prompt = make_batch(0, labels=False)
+    ids = prompt["input_ids"][:1, :8].to(device)
+    with torch.no_grad():
+        out = engine.module.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                     do_sample=False, use_cache=True)
+    rec["generated"] = out[0, ids.shape[1]:].tolist()
+    engine.train()
+
+
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, choices=sorted(zoo_models.ZOO))
+    ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
+    ap.add_argument("--mode", required=True, choices=["eager", "compile", "deepcompile"])
+    ap.add_argument("--phase", default="train", choices=["train", "resume"])
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (written by train, read by resume)")
+    ap.add_argument("--deadline", type=float, default=400, help="seconds before every stack is printed and the cell exits")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
+
+    device = setup_device()
+    describe(report)
+    import transformers
+    report["transformers_version"] = transformers.__version__
+    report.update(model=args.model, stage=args.stage, mode=args.mode, phase=args.phase)
+    rec = report["cell"] = dict(model=args.model, reached="start", losses=[], lengths=[], compiles=[],
+                                mem_before_step=[], gathered_after_step=[], eval_losses=[], eval_compiles=[])
+    counters = Counters()
+    rec["recompile_reasons"] = []
+    counters.capture_recompile_reasons(rec["recompile_reasons"])
+    steps = plan()
+    start = time.time()
+
+    if args.phase == "resume":
+        engine = new_engine(args, seed=1)
+        rec["reached"] = "load_checkpoint"
+        report.write()
+        engine.load_checkpoint(args.ckpt, tag="mid")
+        train_steps(engine, steps["after"], device, rec, counters, report, "after")
+    else:
+        engine = new_engine(args, seed=0)
+        rec["deepcompile_active"] = bool(getattr(engine, "is_deepcompile_active", lambda: False)())
+        train_steps(engine, steps["train"], device, rec, counters, report, "train")
+        rec["first_phase_s"] = round(time.time() - start, 1)
+        evaluate(engine, steps["eval"], device, rec, counters, report)
+        rec["reached"] = "abandoned forward"
+        report.write()
+        engine(**to(make_batch(steps["abandon"]), device))  # loss never backpropagated
+        rec["abandon_compiles"] = counters.snapshot()
+        train_steps(engine, steps["train2"], device, rec, counters, report, "train2")
+        rec["reached"] = "save_checkpoint"
+        report.write()
+        engine.save_checkpoint(args.ckpt, tag="mid")
+        train_steps(engine, steps["after"], device, rec, counters, report, "after")
+        rec["reached"] = "generate"
+        report.write()
+        generate(engine, device, rec)
+    rec["reached"] = "done"
+    rec["seconds"] = round(time.time() - start, 1)
+    report.write()
+    faulthandler.cancel_dump_traceback_later()
+    engine.destroy()
+    gc.collect()
+
+
+if __name__ == "__main__":
+    run_worker("model-zoo", main)
