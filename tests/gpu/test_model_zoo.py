@@ -28,7 +28,6 @@ import pytest
 from dist import DistJob, skip_reason
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import zoo_models  # noqa: E402
 from zoo_models import ZOO  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -5,7 +5,8 @@
 Modes: `eager` (the reference), `compile` (`engine.compile()` without DeepCompile: the spread that sets the loss
 tolerance), `deepcompile` (`"compile": {"deepcompile": true}` and `engine.compile()`).
 
-The loop, bf16, AdamW, gradient accumulation 2, gradient clipping 1.0, every micro-batch a new sequence length
+The loop, bf16, AdamW, gradient accumulation 2, gradient clipping 1.0 (ZOO_GRAD_ACC and ZOO_CLIP change those two
+for diagnosis; the zoo runs the defaults), every micro-batch a new sequence length
 with right padding in its second row (as a collator that pads to the longest sequence gives):
   train   3 optimizer steps
   eval    engine.eval(): 2 batches under torch.no_grad() with labels, 1 under torch.inference_mode() without labels
@@ -183,13 +184,14 @@ def train_steps(engine, indices, device, rec, counters, report, phase):
         batch = make_batch(i)
         loss = engine(**to(batch, device)).loss
         engine.backward(loss)
-        if engine.is_gradient_accumulation_boundary():
+        boundary = engine.is_gradient_accumulation_boundary()
+        if boundary:
             rec["mem_before_step"].append(torch.cuda.memory_allocated())
         engine.step()
         rec["losses"].append(loss.item())
         rec["lengths"].append(batch["input_ids"].shape[1])
         rec["compiles"].append(counters.snapshot())
-        if stage3 and (i + 1) % GRAD_ACC == 0:
+        if stage3 and boundary:
             rec["gathered_after_step"].append(len(gathered_params(engine)))
 
 
