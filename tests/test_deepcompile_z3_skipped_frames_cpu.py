@@ -101,6 +101,22 @@ def test_skipped_frame_parameters_match_eager_zero3_and_are_released(reports, va
         assert totals.get("total_reduced_grads", 0) > 0, totals
 
 
+def test_submodule_called_outside_the_engine_forward_sees_gathered_parameters(reports):
+    """generate() of a PEFT model calls its base model, not the engine: DeepCompile ZeRO-3 had removed the module hooks
+    that gather for such a call, and the layer saw its partitioned weight ("'weight' must be 2-D" in generate())."""
+    returncode, output, ranks = reports["modules"]
+    assert sorted(ranks) == [0, 1], f"exit {returncode}, reports of ranks {sorted(ranks)}\n{output}"
+    for rank, r in sorted(ranks.items()):
+        assert r["error"] is None, f"rank {rank}:\n{r['error']}"
+        eager, dc = r["eager"]["outside_outputs"], r["deepcompile"]["outside_outputs"]
+        calls = sum(1 for op, _ in r["plan"] if op == "outside")
+        assert len(eager) == len(dc) == calls > 0
+        for call, (want, got) in enumerate(zip(eager, dc)):
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), f"rank {rank}, call {call} outside the forward"
+        after = [names for op, names in r["deepcompile"]["gathered_after"] if op.startswith("outside")]
+        assert after and not any(after), f"rank {rank}: left gathered after the call: {after}"
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_skipped_frame_gathered_storage_peak_within_one_layer_of_eager_zero3(reports, variant):
     """A skipped frame holds at most one gathered layer more than eager ZeRO-3, counting every gathered storage still

@@ -10,7 +10,8 @@ and the engine's forward, backward and optimizer step run as they do on GPUs.
 Variants ("--variant"):
   modules  the skipped frame (torch.compiler.disable) calls L Block modules and reads one more weight directly;
            gradient accumulation 2; the plan also runs forwards whose backward never comes (grad enabled, after
-           engine.eval() with grad enabled) and a no_grad forward between training steps.
+           engine.eval() with grad enabled), a no_grad forward between training steps, and a Block called on its
+           own under no_grad, outside the engine's forward.
   loop     the skipped frame is skipped for a graph break inside a loop and reads every weight directly.
   checkpoint  as "modules", two of the blocks run under activation checkpointing (reentrant, non-reentrant).
 
@@ -83,7 +84,8 @@ class Net(nn.Module):
 PLANS = {
     # (operation, batch index); "train" is one micro-batch: forward, backward, engine.step().
     "modules": [("train", 0), ("train", 1), ("abandon", 2), ("train", 3), ("train", 4), ("no_grad", 5), ("abandon", 6),
-                ("abandon", 7), ("abandon", 8), ("eval_grad", 9), ("train", 10), ("train", 11)],
+                ("abandon", 7), ("abandon", 8), ("eval_grad", 9), ("outside", 10), ("train", 11), ("train", 12),
+                ("outside", 13)],
     "loop": [("train", 0), ("abandon", 1), ("train", 2), ("train", 3)],
     "checkpoint": [("train", 0), ("abandon", 1), ("train", 2), ("train", 3)],
 }
@@ -262,6 +264,11 @@ def run(variant, deepcompile, rank, rec):
         elif op == "no_grad":
             with torch.no_grad():
                 engine(x, y)
+        elif op == "outside":
+            # A submodule called outside the engine's forward, as generate() of a PEFT model calls its base model.
+            with torch.no_grad():
+                out = engine.module.blocks[1](x)
+            rec["outside_outputs"].append(out.flatten()[:32].tolist())
         rec["gathered_after"].append([f"{op} {index}", gathered(engine.module)])
     rec["reached"] = "done"
     if deepcompile:
@@ -303,6 +310,7 @@ def main():
                 "max_gathered": 0,
                 "gathered_bytes_at_start": [],
                 "gathered_bytes_peak": [],
+                "outside_outputs": [],
             }
             run(args.variant, deepcompile, rank, rec)
     except BaseException:

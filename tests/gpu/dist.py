@@ -1,7 +1,8 @@
 """Launch a worker script on several local GPUs and collect what each rank reports.
 
 The worker is started with ``python -m torch.distributed.run --standalone`` (torchrun), which
-picks a free rendezvous port, so several jobs may run side by side. Each rank writes one JSON
+picks a free rendezvous port, so several jobs may run side by side; a one-rank job is started
+without the launcher, with the environment torchrun would give it. Each rank writes one JSON
 object to ``$DIST_RESULT_DIR/rank<RANK>.json`` (see :func:`result_path`); the launcher reads
 those files back together with the exit code and the combined output, so that a rank killed by a
 signal (SIGABRT from a failed C++ assert, say) is reported as such rather than as a bare
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +52,12 @@ def skip_reason(nprocs: int) -> Optional[str]:
     if count < nprocs:
         return f"needs {nprocs} GPUs, found {count}"
     return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def result_path(rank: Optional[int] = None) -> str:
@@ -136,6 +144,10 @@ class DistJob:
 
     @property
     def command(self) -> List[str]:
+        if self.nprocs == 1:
+            # One rank needs no launcher (a second Python importing torch): the environment torchrun would give it
+            # is set in start().
+            return [sys.executable, self.script, *self.args]
         return [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nprocs}",
             self.script, *self.args
@@ -149,6 +161,9 @@ class DistJob:
         env.update(BASE_ENV)
         env.update(self.extra_env)
         env[RESULT_DIR_ENV] = result_dir
+        if self.nprocs == 1:
+            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(_free_port()))
         self._log = open(os.path.join(self._tmp.name, "output.log"), "w+b")
         self._start = time.monotonic()
         # A new session, so that a timeout can kill torchrun together with every rank.

@@ -1,0 +1,122 @@
+"""Worker for test_deepcompile_grad_accumulation.py: the zoo's Llama trained in fp32 with gradient accumulation,
+eagerly or under DeepCompile, reporting the global gradient norm of every optimizer step and every loss.
+
+  python tests/gpu/workers/dc_grad_accumulation.py --stage 1 --mode deepcompile --variant new_length_each_micro_batch
+
+Variants (micro-batch lengths are what a collator that pads to the longest sequence of a batch produces):
+  new_length_each_micro_batch  accumulation 2, every micro-batch a new length: the second micro-batch of the first
+                               window runs a graph Dynamo recompiled (dynamic length), the first one a static graph
+  same_length                  accumulation 2, one length throughout: one graph for every micro-batch
+  past_warmup                  accumulation 1, a new length every step, 8 steps: past DeepCompile ZeRO-3's WARMUP
+                               step (5), where every graph is compiled again with prefetching and selective gathering
+
+fp32, so that DeepCompile and eager ZeRO agree to rounding and a lost or doubled micro-batch stands out.
+DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile ZeRO-3's schedule:
+`recompile_only`, `prefetch`, `selective_gather` (each the WARMUP entry's extra pass).
+"""
+
+import argparse
+import faulthandler
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from founding_common import describe, run_worker, setup_device  # noqa: E402
+import zoo_models  # noqa: E402
+
+MICRO_BATCH = 2
+LR = 1e-3
+VARIANTS = {
+    # name: (gradient accumulation steps, optimizer steps, lengths by micro-batch index)
+    "new_length_each_micro_batch": (2, 3, lambda i: 33 + 3 * i),
+    "same_length": (2, 3, lambda i: 37),
+    "past_warmup": (1, 8, lambda i: 33 + 3 * i),
+}
+
+
+def ds_config(stage, grad_acc, deepcompile):
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": grad_acc,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": LR,
+                "weight_decay": 0.0,
+                "torch_adam": True
+            }
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0
+        },
+        "steps_per_print": 1_000_000_000,
+    }
+    if deepcompile:
+        cfg["compile"] = {"deepcompile": True}
+    return cfg
+
+
+def schedule(name):
+    if not name:
+        return None
+    from deepspeed.compile.init_z3 import WARMUP
+    from deepspeed.compile.passes import zero3_compile, prefetch, selective_gather
+
+    extra = {"recompile_only": [], "prefetch": [prefetch.schedule_prefetch],
+             "selective_gather": [selective_gather.selective_gather]}[name]
+    return [(0, [zero3_compile.add_z3_gather_release]), (WARMUP, [zero3_compile.add_z3_gather_release] + extra)]
+
+
+def make_batch(index, length):
+    gen = torch.Generator().manual_seed(2000 + index)
+    ids = torch.randint(3, zoo_models.vocab_size("llama"), (MICRO_BATCH, length), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
+    ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
+    ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    ap.add_argument("--deadline", type=float, default=400)
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
+
+    device = setup_device()
+    describe(report)
+    import deepspeed
+
+    grad_acc, steps, length_of = VARIANTS[args.variant]
+    torch.manual_seed(0)
+    model = zoo_models.build("llama")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(args.stage, grad_acc, args.mode == "deepcompile"))
+    if args.mode == "deepcompile":
+        kwargs = {}
+        if args.stage == 3 and os.environ.get("DCGA_SCHEDULE"):
+            kwargs["schedule"] = schedule(os.environ["DCGA_SCHEDULE"])
+        engine.compile(**kwargs)
+    rec = report["run"] = dict(stage=args.stage, mode=args.mode, variant=args.variant, losses=[], lengths=[],
+                               grad_norms=[], deepcompile_active=bool(engine.is_deepcompile_active()))
+    for i in range(steps * grad_acc):
+        batch = make_batch(i, length_of(i))
+        loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
+        engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        rec["losses"].append(loss.item())
+        rec["lengths"].append(batch["input_ids"].shape[1])
+        if boundary:
+            norm = engine.get_global_grad_norm()
+            rec["grad_norms"].append(None if norm is None else float(norm))
+        report.write()
+    faulthandler.cancel_dump_traceback_later()
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    run_worker("dc-grad-accumulation", main)
