@@ -11,6 +11,7 @@ non-zero exit status.
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -54,10 +55,23 @@ def skip_reason(nprocs: int) -> Optional[str]:
     return None
 
 
+_PORTS_GIVEN = set()
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a one-rank job's store. Below Linux's ephemeral range (32768 and up), so that no connection another
+    job opens meanwhile is given it, and never the same twice in this process (jobs start side by side)."""
+    for port in random.sample(range(20000, 32000), 200):
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-31999 for a one-rank job")
 
 
 def result_path(rank: Optional[int] = None) -> str:

@@ -44,19 +44,21 @@ MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
 # A resumed engine runs the same compiled code on the same state: its losses match to bf16 rounding.
 RESUME_RTOL = 1e-3
 RESUME_ALL_STAGES = "llama"
+EAGER_STAGES = ",".join(map(str, STAGES))
 
 
 def _cells():
     cells = []
     models = [m for m in os.environ.get("ZOO_MODELS", "").split(",") if m] or list(ZOO)
     for model in models:
-        for stage in STAGES:
-            cells += [("cell", model, stage, "deepcompile"), ("cell", model, stage, "eager")]
-        cells.append(("cell", model, 1, "compile"))
-    cells += [("trainer", "llama", stage, mode) for stage in TRAINER_STAGES for mode in ("deepcompile", "compile")]
-    # Longest first: DeepCompile ZeRO-3 and the Trainer compile the most; then the spread cells, which every loss
-    # check needs, before the quick eager ones.
-    return sorted(cells, key=lambda c: (c[3] != "deepcompile", c[0] != "trainer", c[3] != "compile", -c[2]))
+        cells += [("cell", model, stage, "deepcompile") for stage in STAGES]
+        # The eager references compile nothing: one process runs the three stages in turn.
+        cells += [("cell", model, EAGER_STAGES, "eager"), ("cell", model, 1, "compile")]
+    cells += [("trainer", "llama", stage, mode) for stage in TRAINER_STAGES for mode in ("deepcompile", "eager")]
+    # Longest first: DeepCompile ZeRO-3 (activation checkpointing compiles the most graphs) and the Trainer; then the
+    # spread cells, which every loss check needs, before the quick eager ones.
+    return sorted(cells, key=lambda c: (c[3] != "deepcompile", -max(map(int, str(c[2]).split(","))), "ckpt" not in c[1],
+                                        c[0] != "trainer", c[3] != "compile"))
 
 
 def _resumed(key):
@@ -91,21 +93,29 @@ def _run_all(cells, tmp, on_result):
                 res = results[key] = job.wait()
                 del running[key]
                 on_result(key, res)
-                rec = res.results.get(0, {}).get("cell", {})
+                rec = res.results.get(0, {}).get("cells", {}).get(str(key[2]), {})
                 if key[0] == "cell" and key[3] == "deepcompile" and rec.get("reached") == "done" and _resumed(key):
                     queue.insert(0, ("resume", ) + key[1:])
         time.sleep(0.5)
     return results
 
 
-def _summary(res):
+def _summaries(key, res):
+    """One summary per stage the job ran (an eager job runs several), under the key of that stage's cell."""
     report = res.results.get(0, {})
     error = report.get("error")
-    out = {"ok": res.ok and error is None, "seconds": round(res.duration_s, 1), "report": report}
-    if not out["ok"]:
-        out["error"] = (error.strip().splitlines()[-1] if error else res.summary())[:300]
-        out["reached"] = report.get("cell", {}).get("reached")
-        out["output_tail"] = error if error else res.tail(60)
+    stages = [int(s) for s in str(key[2]).split(",")]
+    out = {}
+    for stage in stages:
+        rec = report.get("cells", {}).get(str(stage)) or (report.get("cell", {}) if key[0] == "trainer" else {})
+        ok = res.ok and error is None and (key[0] == "trainer" or rec.get("reached") == "done")
+        summary = {"ok": ok, "seconds": rec.get("seconds", round(res.duration_s, 1)),
+                   "report": dict(report, cell=rec, cells=None)}
+        if not ok:
+            summary["error"] = (error.strip().splitlines()[-1] if error else res.summary())[:300]
+            summary["reached"] = rec.get("reached")
+            summary["output_tail"] = error if error else res.tail(60)
+        out[key[:2] + (stage, ) + key[3:]] = summary
     return out
 
 
@@ -124,9 +134,10 @@ def zoo():
     report_dir = os.environ.get("GPU_TEST_REPORT_DIR")
 
     def on_result(key, res):
-        results[key] = _summary(res)
-        print(f"zoo {time.time() - start:6.1f}s {'/'.join(map(str, key))}: "
-              f"{'ok' if results[key]['ok'] else results[key]['error']}", flush=True)
+        for cell, summary in _summaries(key, res).items():
+            results[cell] = summary
+            print(f"zoo {time.time() - start:6.1f}s {'/'.join(map(str, cell))}: "
+                  f"{'ok' if summary['ok'] else summary['error']}", flush=True)
         if report_dir:  # rewritten after every cell, so that a run cut short still leaves its table
             os.makedirs(report_dir, exist_ok=True)
             name = "zoo-" + deepspeed.__version__.replace("+", "-") + ".json"
@@ -199,7 +210,13 @@ def test_deepcompile_compiles_are_bounded(zoo, model, stage):
         assert all(d <= p for d, p in zip(dc_graphs, plain_graphs)), (
             f"{name}: DeepCompile compiled more graphs than plain torch.compile over the same lengths:\n"
             f"deepcompile {dc_graphs}\nplain       {plain_graphs}\n{dc['recompile_reasons']}")
-    _no_new_compiles("evaluation under no_grad", dc["eval_compiles"][:2])
+    # A new length under no_grad compiles no more than under plain compile. (With activation checkpointing both
+    # compile one more graph at the second evaluation batch: evaluation runs frames that training, checkpointed,
+    # never ran, and Dynamo first compiles them for the one length it has seen.)
+    dc_new = dc["eval_compiles"][1]["graphs"] - dc["eval_compiles"][0]["graphs"]
+    plain_new = plain["eval_compiles"][1]["graphs"] - plain["eval_compiles"][0]["graphs"]
+    assert dc_new <= plain_new, (f"evaluation under no_grad, second length: DeepCompile compiled {dc_new} new graphs, "
+                                 f"plain torch.compile {plain_new}\n{dc['recompile_reasons']}")
     # The last micro-batch before save_checkpoint (past WARMUP) and the new lengths after it.
     _no_new_compiles("training once warm", dc["compiles"][-(after + 1):])
     assert dc["compiles"][-1]["profiling_runs"] <= 2 * dc["compiles"][-1]["graphs"], dc["compiles"][-1]
@@ -225,13 +242,14 @@ def test_loss_tolerance_covers_compile_spread(zoo, model):
 
 @pytest.mark.parametrize("stage", TRAINER_STAGES)
 def test_trainer_with_deepcompile(zoo, stage):
-    plain = _cell(zoo, ("trainer", "llama", stage, "compile"))
+    """The Trainer drives DeepCompile through training and evaluation like eager DeepSpeed (its wall time against
+    plain torch.compile is measured by tools/bench-trainer, not here)."""
+    eager = _cell(zoo, ("trainer", "llama", stage, "eager"))
     dc = _cell(zoo, ("trainer", "llama", stage, "deepcompile"))
-    print(f"Trainer wall time: deepcompile {dc['train_s']} s, plain torch.compile {plain['train_s']} s; "
-          f"graphs {dc['compiles']} vs {plain['compiles']}")
-    assert len(dc["eval_losses"]) == len(plain["eval_losses"]) > 0
-    _assert_close("Trainer training losses", dc["losses"], plain["losses"], ZOO["llama"].loss_tol)
-    _assert_close("Trainer evaluation losses", dc["eval_losses"], plain["eval_losses"], ZOO["llama"].loss_tol)
+    print(f"Trainer graphs compiled: deepcompile {dc['compiles']}")
+    assert len(dc["eval_losses"]) == len(eager["eval_losses"]) > 0
+    _assert_close("Trainer training losses", dc["losses"], eager["losses"], ZOO["llama"].loss_tol)
+    _assert_close("Trainer evaluation losses", dc["eval_losses"], eager["eval_losses"], ZOO["llama"].loss_tol)
 
 
 def zoo_models_plan():

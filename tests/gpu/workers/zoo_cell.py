@@ -1,6 +1,7 @@
 """Worker for test_model_zoo.py: one zoo cell (model x ZeRO stage x mode) through the loop a Trainer user runs.
 
   python tests/gpu/workers/zoo_cell.py --model llama --stage 3 --mode deepcompile --ckpt DIR [--phase resume]
+  python tests/gpu/workers/zoo_cell.py --model llama --stage 1,2,3 --mode eager --ckpt DIR   (the three in turn)
 
 Modes: `eager` (the reference), `compile` (`engine.compile()` without DeepCompile: the spread that sets the loss
 tolerance), `deepcompile` (`"compile": {"deepcompile": true}` and `engine.compile()`).
@@ -19,9 +20,11 @@ Phase `resume` (a new process, as a user resumes): a fresh engine from a differe
 load_checkpoint, then the `after` steps.
 
 Recorded per micro-batch: loss, sequence length, Dynamo graphs compiled so far and DeepCompile profiling runs so far;
-allocated memory before each optimizer step; ZeRO-3 parameters left gathered after each step. The rank writes its
-JSON report to $DIST_RESULT_DIR/rank<RANK>.json after every phase, so a cell that dies leaves its progress. A
-faulthandler deadline prints every thread's stack and exits if the cell hangs.
+allocated memory before each optimizer step; ZeRO-3 parameters left gathered after each step; seconds per phase.
+The report holds one record per stage under "cells" (several stages: eager references, which compile nothing, run
+in one process to save its start-up). The rank writes its JSON report to $DIST_RESULT_DIR/rank<RANK>.json after
+every phase, so a cell that dies leaves its progress. A faulthandler deadline prints every thread's stack and exits
+if the cell hangs.
 """
 
 import argparse
@@ -162,14 +165,14 @@ def gathered_params(engine):
     ]
 
 
-def new_engine(args, seed):
+def new_engine(model_name, stage, mode, seed):
     import deepspeed
 
     torch.manual_seed(seed)
-    model = zoo_models.build(args.model)
+    model = zoo_models.build(model_name)
     params = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config(args.stage, args.mode))
-    if args.mode != "eager":
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config(stage, mode))
+    if mode != "eager":
         engine.compile()
     return engine
 
@@ -225,48 +228,30 @@ def generate(engine, device, rec):
     engine.train()
 
 
-def main(report):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, choices=sorted(zoo_models.ZOO))
-    ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
-    ap.add_argument("--mode", required=True, choices=["eager", "compile", "deepcompile"])
-    ap.add_argument("--phase", default="train", choices=["train", "resume"])
-    ap.add_argument("--ckpt", required=True, help="checkpoint directory (written by train, read by resume)")
-    ap.add_argument("--deadline", type=float, default=400, help="seconds before every stack is printed and the cell exits")
-    args = ap.parse_args()
-    faulthandler.dump_traceback_later(args.deadline, exit=True)
-
-    device = setup_device()
-    describe(report)
-    import transformers
-    report["transformers_version"] = transformers.__version__
-    report.update(model=args.model, stage=args.stage, mode=args.mode, phase=args.phase)
-    rec = report["cell"] = dict(model=args.model, reached="start", losses=[], lengths=[], compiles=[],
-                                mem_before_step=[], gathered_after_step=[], eval_losses=[], eval_compiles=[])
-    counters = Counters()
-    rec["recompile_reasons"] = []
-    counters.capture_recompile_reasons(rec["recompile_reasons"])
+def run_cell(args, stage, device, report, counters, reasons):
+    rec = report["cell"] = report["cells"][str(stage)] = dict(
+        model=args.model, stage=stage, reached="start", losses=[], lengths=[], compiles=[], mem_before_step=[],
+        gathered_after_step=[], eval_losses=[], eval_compiles=[], recompile_reasons=reasons, phase_s={})
     steps = plan()
-    start = time.time()
-
-    phase_start = [time.time()]
+    start = phase_start = time.time()
 
     def phase_done(name):
+        nonlocal phase_start
         now = time.time()
-        rec["phase_s"][name] = round(now - phase_start[0], 1)
-        phase_start[0] = now
+        rec["phase_s"][name] = round(now - phase_start, 1)
+        phase_start = now
 
-    rec["phase_s"] = {}
+    ckpt = os.path.join(args.ckpt, f"z{stage}")
     if args.phase == "resume":
-        engine = new_engine(args, seed=1)
+        engine = new_engine(args.model, stage, args.mode, seed=1)
         rec["reached"] = "load_checkpoint"
         report.write()
-        engine.load_checkpoint(args.ckpt, tag="mid")
+        engine.load_checkpoint(ckpt, tag="mid")
         phase_done("load")
         train_steps(engine, steps["after"], device, rec, counters, report, "after")
         phase_done("after")
     else:
-        engine = new_engine(args, seed=0)
+        engine = new_engine(args.model, stage, args.mode, seed=0)
         rec["deepcompile_active"] = bool(getattr(engine, "is_deepcompile_active", lambda: False)())
         phase_done("engine")
         train_steps(engine, steps["train"], device, rec, counters, report, "train")
@@ -282,7 +267,7 @@ def main(report):
         phase_done("train2")
         rec["reached"] = "save_checkpoint"
         report.write()
-        engine.save_checkpoint(args.ckpt, tag="mid")
+        engine.save_checkpoint(ckpt, tag="mid")
         phase_done("save")
         train_steps(engine, steps["after"], device, rec, counters, report, "after")
         phase_done("after")
@@ -293,9 +278,38 @@ def main(report):
     rec["reached"] = "done"
     rec["seconds"] = round(time.time() - start, 1)
     report.write()
-    faulthandler.cancel_dump_traceback_later()
     engine.destroy()
+    del engine
     gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, choices=sorted(zoo_models.ZOO))
+    ap.add_argument("--stage", required=True, help="1, 2 or 3; eager cells may list several (1,2,3), run in turn")
+    ap.add_argument("--mode", required=True, choices=["eager", "compile", "deepcompile"])
+    ap.add_argument("--phase", default="train", choices=["train", "resume"])
+    ap.add_argument("--ckpt", required=True, help="checkpoint directory (written by train, read by resume)")
+    ap.add_argument("--deadline", type=float, default=400, help="seconds before every stack is printed and the cell exits")
+    args = ap.parse_args()
+    stages = [int(s) for s in args.stage.split(",")]
+    if not set(stages) <= {1, 2, 3} or (len(stages) > 1 and args.mode != "eager"):
+        ap.error(f"--stage {args.stage}: stages are 1, 2, 3, several only for eager cells (compiled cells would share "
+                 f"one process's Dynamo caches)")
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
+
+    device = setup_device()
+    describe(report)
+    import transformers
+    report["transformers_version"] = transformers.__version__
+    report.update(model=args.model, stages=stages, mode=args.mode, phase=args.phase, cells={})
+    counters = Counters()
+    reasons = []
+    counters.capture_recompile_reasons(reasons)
+    for stage in stages:
+        run_cell(args, stage, device, report, counters, reasons)
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

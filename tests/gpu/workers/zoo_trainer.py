@@ -6,8 +6,9 @@ The zoo's Llama (built after TrainingArguments, so ZeRO-3 builds it under zero.I
 a tiny in-memory dataset of sequences of 32-128 tokens padded to the longest in each batch, bf16,
 gradient accumulation 2, 8 optimizer steps with an evaluation every 3, `torch_compile=True` (accelerate then calls
 `engine.compile()`), and HF's "auto" DeepSpeed config; mode `deepcompile` adds `"compile": {"deepcompile": true}`,
-mode `compile` is plain torch.compile of the same run. Records the wall time of `trainer.train()` (compiles
-included), the logged losses, Dynamo graphs compiled and DeepCompile profiling runs.
+mode `compile` is plain torch.compile of the same run, mode `eager` the same run without torch_compile (the zoo's
+reference). Records the wall time of `trainer.train()` (compiles included; tools/bench-trainer compares it across
+modes), the logged losses, Dynamo graphs compiled and DeepCompile profiling runs.
 """
 
 import argparse
@@ -51,7 +52,7 @@ def pad_to_longest(rows):
 def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
-    ap.add_argument("--mode", required=True, choices=["compile", "deepcompile"])
+    ap.add_argument("--mode", required=True, choices=["eager", "compile", "deepcompile"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--deadline", type=float, default=400)
     args = ap.parse_args()
@@ -82,7 +83,8 @@ def main(report):
         ds["compile"] = {"deepcompile": True}
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                               gradient_accumulation_steps=2, max_steps=MAX_STEPS, eval_strategy="steps",
-                              eval_steps=EVAL_STEPS, logging_steps=1, learning_rate=1e-3, bf16=True, torch_compile=True,
+                              eval_steps=EVAL_STEPS, logging_steps=1, learning_rate=1e-3, bf16=True,
+                              torch_compile=args.mode != "eager",
                               deepspeed=ds, report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0)
     torch.manual_seed(0)
     model = zoo_models.build("llama")
