@@ -5,7 +5,7 @@ torch.cuda.memory_allocated() and its siblings call torch.cuda.memory_stats(), w
 statistics into a sorted dict of a few hundred entries to return one of them. DeepCompile's profiler reads the
 counters for every graph node: in a cProfile of one model-zoo cell (Llama, DeepCompile ZeRO-3, H100) 77,438 such
 calls took 43.5 s of 374 s. The counters must give the same values from the nested statistics, on CPU checked with
-the statistics stubbed; tests/gpu/test_cuda_accelerator_memory_counters.py compares them with torch's on a GPU.
+the statistics stubbed; tests/gpu/test_cuda_accelerator_memory_counters_on_gpu.py compares them with torch's on a GPU.
 """
 
 import pytest

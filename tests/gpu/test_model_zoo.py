@@ -13,7 +13,8 @@ parameter left gathered after a step; no new Dynamo graph nor DeepCompile profil
 once warm; the resumed engine's losses equal the uninterrupted ones; greedy generate() with the KV cache works.
 
 GPU_TEST_REPORT_DIR keeps every cell's JSON report and the summary zoo-<deepspeed version>.json that
-tools/zoo-table renders for docs/model-zoo.md.
+tools/zoo-table renders for docs/model-zoo.md. ZOO_REPLAY=<that summary> applies the checks to a recorded run
+instead of running the cells (any host).
 """
 
 import importlib.util
@@ -121,6 +122,13 @@ def _summaries(key, res):
 
 @pytest.fixture(scope="module")
 def zoo():
+    replay = os.environ.get("ZOO_REPLAY")
+    if replay:
+        # The checks applied to a recorded run (its zoo-<version>.json), on any host: the cells do not run again.
+        with open(replay) as f:
+            cells = json.load(f)["cells"]
+        return {(kind, model, int(stage), mode): res
+                for (kind, model, stage, mode), res in ((k.split("/"), v) for k, v in cells.items())}
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
@@ -192,7 +200,9 @@ def test_deepcompile_runs_the_user_loop_like_eager(zoo, model, stage):
     warm = dc["mem_before_step"][-3:]
     assert max(warm) - min(warm) <= MEM_SLACK_B, f"allocated memory before each step grows: {dc['mem_before_step']}"
     assert not any(dc["gathered_after_step"]), f"ZeRO-3 parameters left gathered after steps: {dc['gathered_after_step']}"
-    assert dc["generated"], "generate() produced no token"
+    # Greedy decoding from the same weights gives the same tokens (every cell of the recorded runs in docs/).
+    assert dc["generated"] and dc["generated"] == eager["generated"], (
+        f"generate(): deepcompile {dc['generated']}, eager {eager['generated']}")
 
 
 @pytest.mark.parametrize("stage", STAGES)

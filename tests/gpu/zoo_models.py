@@ -6,8 +6,9 @@ adapter on the frozen base, or HF activation checkpointing.
 
 `loss_tol` is the relative tolerance on losses against eager DeepSpeed of the same config. It must cover the
 spread between eager DeepSpeed and plain `engine.compile()` (no DeepCompile) on the same model and data, which
-test_loss_tolerance_covers_compile_spread checks in every zoo run (not yet measured: docs/model-zoo.md); rows with
-dropout active get a wider bound, since compiled and eager code draw different dropout masks from the same seed.
+test_loss_tolerance_covers_compile_spread checks in every zoo run. Measured on an H100 (docs/model-zoo.md): at most
+2.6e-4 for the bf16 rows, 2.4e-3 for the row with dropout (compiled and eager code draw different dropout masks
+from the same seed); the bounds are about eight times that.
 """
 
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              vocab_size=512, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MOE = dict(SMALL, num_experts_per_tok=2)
 
-BF16_LOSS_TOL = 0.02
+BF16_LOSS_TOL = 2e-3
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ ZOO = {
                                   bos_token_id=1, eos_token_id=2, resid_pdrop=0.1,
                                   embd_pdrop=0.1, attn_pdrop=0.1),
                              "dropout active, tied embeddings, Conv1D",
-                             loss_tol=0.1),
+                             loss_tol=0.02),
     "llama_lora": ZooModel("LlamaConfig", SMALL, "PEFT LoRA adapter on a frozen base", variant="lora"),
     "llama_ckpt_reentrant": ZooModel("LlamaConfig", SMALL, "HF activation checkpointing, use_reentrant=True",
                                      variant="ckpt_reentrant"),
