@@ -4,7 +4,8 @@
   python -m forkbuild.pq mirror             copy files changed under csrc/ op_builder/ accelerator/ to their
                                             packaged twins (pin.toml `mirrors`), and the other way round
   python -m forkbuild.pq export             rewrite patches/ and patches/series from the commits after `upstream`
-  python -m forkbuild.pq check              DEP-3 headers present, and import -> export leaves patches/ unchanged
+  python -m forkbuild.pq check              DEP-3 headers present, Bug citing a link or an existing docs page,
+                                            and import -> export leaves patches/ unchanged
   python -m forkbuild.pq rebase VERSION --sha256 HEX [--sdist PATH]
                                             move the series onto another upstream release: patches marked
                                             `Applied-Upstream: V` with V <= VERSION are dropped, the rest are
@@ -160,9 +161,12 @@ def check(root):
     names = series.read_series(patches_dir)
     for name in names:
         with open(os.path.join(patches_dir, name)) as f:
-            missing = series.missing_fields(series.split_patch(f.read())[0])
+            header = series.split_patch(f.read())[0]
+        missing = series.missing_fields(header)
         if missing:
             problems.append(f"{name}: DEP-3 header lacks {', '.join(missing)}")
+        elif series.bug_reference_problem(header, root):
+            problems.append(f"{name}: {series.bug_reference_problem(header, root)}")
     if problems:
         return problems  # the queue refuses such commits, so there is no round trip to compare
     with tempfile.TemporaryDirectory() as tmp:

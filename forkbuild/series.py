@@ -66,6 +66,23 @@ def missing_fields(header):
     return ["/".join(alts) for alts in REQUIRED_FIELDS if not present.intersection(alts)]
 
 
+BUG_LINK = re.compile(r"https?://\S+|\b(?:docs/[\w./-]+|README)\.md\b")
+
+
+def bug_reference_problem(header, root):
+    """Why the Bug field sends no reader anywhere (None when it does): it must hold a link (the upstream issue or
+    pull request) or a docs page of the fork, one that exists, showing the defect."""
+    bug = dep3_fields(header).get("Bug", "")
+    refs = BUG_LINK.findall(bug)
+    if not refs:
+        return f"Bug field cites no link and no docs page: {bug.splitlines()[0] if bug else '(empty)'!r}"
+    missing = [r for r in refs if r.endswith(".md") and not r.startswith("http")
+               and not os.path.exists(os.path.join(root, r))]
+    if missing:
+        return f"Bug field cites docs pages that do not exist: {', '.join(missing)}"
+    return None
+
+
 def subject(header):
     fields = dep3_fields(header)
     text = fields.get("Description") or fields.get("Subject") or ""

@@ -41,7 +41,8 @@ def sha256(path):
 
 
 def header(title, extra=""):
-    return (f"Description: {title}\nAuthor: test\nBug: none\nForwarded: no\nLast-Update: 2026-11-22\n{extra}---\n")
+    return (f"Description: {title}\nAuthor: test\nBug: https://example.invalid/fakeds/issues/1\nForwarded: no\n"
+            f"Last-Update: 2026-11-22\n{extra}---\n")
 
 
 ANSWER_PATCH = header("answer 42") + """--- a/fakeds/__init__.py

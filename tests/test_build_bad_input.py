@@ -153,7 +153,8 @@ def test_patch_file_missing_from_series(tmp_path, env):
 
 
 def test_patch_without_dep3_header(tmp_path, env):
-    bare = fakefork.ANSWER_PATCH.replace("Bug: none\n", "").replace("Forwarded: no\n", "")
+    bare = fakefork.ANSWER_PATCH.replace("Bug: https://example.invalid/fakeds/issues/1\n", "").replace(
+        "Forwarded: no\n", "")
     proc, out = build(tmp_path, env, patches={"answer.patch": bare})
     assert_failed_cleanly(proc, out, env, "patch answer.patch: DEP-3 header lacks Bug, Forwarded")
 

@@ -103,6 +103,20 @@ def test_check_reports_missing_dep3_fields(fork):
     assert res.returncode == 1 and "kernel.patch: DEP-3 header lacks Forwarded" in res.stdout
 
 
+@pytest.mark.parametrize("bug, why", [
+    ("fork issue #4", "Bug field cites no link and no docs page: 'fork issue #4'"),
+    ("docs/no-such-page.md (the defect)", "Bug field cites docs pages that do not exist: docs/no-such-page.md"),
+])
+def test_check_refuses_a_bug_field_that_sends_the_reader_nowhere(fork, bug, why):
+    path = os.path.join(fork, "patches", "kernel.patch")
+    text = read(fork, "patches", "kernel.patch").replace("Bug: https://example.invalid/fakeds/issues/1\n",
+                                                         f"Bug: {bug}\n")
+    with open(path, "w") as f:
+        f.write(text)
+    res = pq(fork, "check")
+    assert res.returncode == 1 and f"kernel.patch: {why}" in res.stdout, res.stdout
+
+
 def test_rebase_drops_patches_applied_upstream(fork, tmp_path):
     new_dir = tmp_path / "new"
     new_dir.mkdir()
