@@ -4,6 +4,9 @@
   python -m forkbuild.pq mirror             copy files changed under csrc/ op_builder/ accelerator/ to their
                                             packaged twins (pin.toml `mirrors`), and the other way round
   python -m forkbuild.pq export             rewrite patches/ and patches/series from the commits after `upstream`
+  python -m forkbuild.pq export-upstream DIR
+                                            the series as git-format patches for `git am` on a clone of upstream's
+                                            repository at the base release (one copy of csrc/ etc., as upstream's git)
   python -m forkbuild.pq check              DEP-3 headers present, Bug citing a link or an existing docs page,
                                             and import -> export leaves patches/ unchanged
   python -m forkbuild.pq rebase VERSION --sha256 HEX [--sdist PATH]
@@ -79,6 +82,7 @@ def import_queue(root, tree, sdist=None):
         with open(path) as f:
             header, _ = series.split_patch(f.read())
         series.apply(path, tree, name)
+        stage.mirror_patch(tree, pin, name, stage.touched_files(path))
         commit_all(tree, f"{name}\n\n{header}")
     return pin, names
 
@@ -111,14 +115,17 @@ def queue(tree):
     return out
 
 
-def export_queue(tree, patches_dir):
-    """Write one file per queue commit and the series, replacing whatever patches/ held."""
+def export_queue(tree, patches_dir, pin):
+    """Write one file per queue commit and the series, replacing whatever patches/ held. A patch holds the canonical
+    copy of a mirrored file only (the one upstream's git has); the build mirrors it into the packaged copy."""
     entries = queue(tree)
+    packaged = [f":(exclude){dst}" for _, dst in pin.mirrors]
     files = {}
     for e in entries:
-        diff = git(tree, *DIFF_OPTS, f"{e.commit}^", e.commit)
+        diff = git(tree, *DIFF_OPTS, f"{e.commit}^", e.commit, "--", ".", *packaged)
         if not diff:
-            raise ForkBuildError(f"commit {e.commit[:12]} ({e.name}) changes nothing")
+            raise ForkBuildError(f"commit {e.commit[:12]} ({e.name}) changes nothing outside the packaged copies "
+                                 f"of mirrored directories ({', '.join(dst for _, dst in pin.mirrors)})")
         files[e.name] = e.header + "---\n" + diff
     files["series"] = "".join(e.name + "\n" for e in entries)
     os.makedirs(patches_dir, exist_ok=True)
@@ -131,6 +138,40 @@ def export_queue(tree, patches_dir):
             f.write(text)
         os.replace(path + ".tmp", path)
     return [e.name for e in entries]
+
+
+def export_upstream(root, out_dir):
+    """Write the series as git-format patches (`git am`) for a clone of upstream's repository at the base tag.
+
+    The patches already hold upstream's layout: paths from the repository root, the one copy of csrc/, op_builder/
+    and accelerator/ that upstream's git has. Each becomes NNNN-<name>: author and subject from the DEP-3 header,
+    the rest of the header as the message body."""
+    pin = pin_mod.load(root)
+    patches_dir = os.path.join(root, "patches")
+    names = series.read_series(patches_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for i, name in enumerate(names, 1):
+        with open(os.path.join(patches_dir, name)) as f:
+            header, diff = series.split_patch(f.read())
+        for path in stage.touched_files(os.path.join(patches_dir, name)):
+            if stage.canonical_copy(pin, path):
+                raise ForkBuildError(f"patch {name} changes {path}, a packaged copy upstream's git does not have")
+        fields = series.dep3_fields(header)
+        title, _, more = (fields.get("Description") or fields.get("Subject") or name).partition("\n")
+        body = [more] if more else []
+        body += [f"{k}: {v}" for k, v in fields.items() if k not in ("Description", "Subject", "Author", "From")]
+        author = fields.get("Author") or fields.get("From") or "deepspeed fork developers <fork@localhost>"
+        if "<" not in author:
+            author += " <fork@localhost>"
+        text = (f"From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\nFrom: {author}\n"
+                f"Date: Sat, 1 Jan 2000 00:00:00 +0000\nSubject: [PATCH {i}/{len(names)}] {title.strip()}\n\n"
+                + "\n".join(body).strip() + f"\n\nFork patch: {name} (on {pin.name} {pin.version})\n---\n{diff}")
+        path = os.path.join(out_dir, f"{i:04d}-{name}")
+        with open(path, "w") as f:
+            f.write(text)
+        written.append(path)
+    return written
 
 
 def mirror(root, tree):
@@ -172,7 +213,7 @@ def check(root):
     with tempfile.TemporaryDirectory() as tmp:
         tree, out = os.path.join(tmp, "tree"), os.path.join(tmp, "patches")
         pin, _ = import_queue(root, tree)
-        export_queue(tree, out)
+        export_queue(tree, out, pin)
         stage.check_mirrors(tree, pin, [(n, stage.touched_files(os.path.join(patches_dir, n))) for n in names])
         for name in sorted(set(os.listdir(out)) | set(names + ["series"])):
             a, b = os.path.join(patches_dir, name), os.path.join(out, name)
@@ -232,7 +273,7 @@ def rebase(root, version, sha256, sdist=None, keep=None):
                                      f"{', '.join(conflicts) or '(none listed)'}{where}.\n{proc.stdout.strip()}\n"
                                      "Nothing was written to pin.toml or patches/.")
             kept.append(e.name)
-        export_queue(new_tree, os.path.join(root, "patches"))
+        export_queue(new_tree, os.path.join(root, "patches"), new)
         pin_mod.write(root, new)
     return kept, dropped
 
@@ -247,6 +288,8 @@ def main(argv=None):
     imp.add_argument("--force", action="store_true", help="replace an existing tree")
     sub.add_parser("export")
     sub.add_parser("mirror")
+    up = sub.add_parser("export-upstream")
+    up.add_argument("dir", help="where to write the git-format patches")
     sub.add_parser("check")
     rb = sub.add_parser("rebase")
     rb.add_argument("version")
@@ -265,8 +308,12 @@ def main(argv=None):
             _, names = import_queue(root, tree)
             print(f"{tree}: upstream + {len(names)} patch(es); edit, `git commit`, then export")
         elif args.cmd == "export":
-            names = export_queue(tree, os.path.join(root, "patches"))
+            names = export_queue(tree, os.path.join(root, "patches"), pin_mod.load(root))
             print(f"patches/: {len(names)} patch(es) exported")
+        elif args.cmd == "export-upstream":
+            written = export_upstream(root, os.path.abspath(args.dir))
+            print(f"{len(written)} patch(es) for `git am` on {pin_mod.load(root).name} {pin_mod.load(root).version} "
+                  f"in {os.path.abspath(args.dir)}")
         elif args.cmd == "mirror":
             print("\n".join(mirror(root, tree)) or "nothing to mirror")
         elif args.cmd == "check":

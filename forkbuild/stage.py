@@ -39,6 +39,43 @@ def touched_files(patch_path):
     return sorted(set(f for f, *_ in series.hunks(diff)))
 
 
+def packaged_twin(pin, path):
+    """The packaged copy of `path` if it lies in a canonical mirrored directory (upstream git's real one), else None."""
+    for canonical, packaged in pin.mirrors:
+        if path.startswith(canonical + "/"):
+            return packaged + path[len(canonical):]
+    return None
+
+
+def canonical_copy(pin, path):
+    """The canonical copy of `path` if it lies in a packaged mirrored directory, else None."""
+    for canonical, packaged in pin.mirrors:
+        if path.startswith(packaged + "/"):
+            return canonical + path[len(packaged):]
+    return None
+
+
+def mirror_patch(tree, pin, name, files):
+    """Give the packaged copies what a patch did to the canonical ones. Upstream's git holds one copy of csrc/,
+    op_builder/ and accelerator/ (the packaged ones are links to it), so a patch changes that one only; its sdist
+    holds two, and the wheel ships the packaged one."""
+    for path in files:
+        canonical = canonical_copy(pin, path)
+        if canonical:
+            raise ForkBuildError(f"patch {name} changes {path}, a packaged copy; change {canonical}, the copy upstream's "
+                                 "git holds, and the build copies it over")
+        twin = packaged_twin(pin, path)
+        if twin is None:
+            continue
+        src, dst = os.path.join(tree, path), os.path.join(tree, twin)
+        if os.path.exists(src):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(src, dst)
+            shutil.copymode(src, dst)
+        elif os.path.exists(dst):
+            os.unlink(dst)
+
+
 def check_mirrors(tree, pin, touched):
     """A patched file in a mirrored directory must equal its twin, or the wheel ships two versions of it."""
     for name, files in touched:
@@ -80,8 +117,10 @@ def apply_series(tree, patches_dir, names, pin):
         if missing:
             raise ForkBuildError(f"patch {name}: DEP-3 header lacks {', '.join(missing)}")
         series.apply(path, tree, name)
+        files = touched_files(path)
+        mirror_patch(tree, pin, name, files)
         applied.append((name, series.subject(header)))
-        touched.append((name, touched_files(path)))
+        touched.append((name, files))
     check_mirrors(tree, pin, touched)
     return applied
 

@@ -3,6 +3,8 @@
 import functools
 import http.server
 import os
+import subprocess
+import sys
 import threading
 import zipfile
 
@@ -159,13 +161,29 @@ def test_patch_without_dep3_header(tmp_path, env):
     assert_failed_cleanly(proc, out, env, "patch answer.patch: DEP-3 header lacks Bug, Forwarded")
 
 
-def test_patch_changing_one_copy_of_a_mirrored_file(tmp_path, env):
-    one_copy = fakefork.header("kernel") + """--- a/csrc/kernel.cpp
-+++ b/csrc/kernel.cpp
+def kernel_patch(path, value=2):
+    return fakefork.header("kernel") + f"""--- a/{path}
++++ b/{path}
 @@ -1 +1 @@
--int kernel() { return 1; }
-+int kernel() { return 2; }
+-int kernel() {{ return 1; }}
++int kernel() {{ return {value}; }}
 """
-    proc, out = build(tmp_path, env, patches={"kernel.patch": one_copy})
-    assert_failed_cleanly(proc, out, env, "kernel.patch changes csrc/kernel.cpp but not its packaged twin "
-                          "fakeds/ops/csrc/kernel.cpp")
+
+
+def test_patch_changing_a_packaged_copy_is_refused(tmp_path, env):
+    # Upstream's git holds csrc/ once (its packaged copy is a link): a patch upstream could take changes that one.
+    proc, out = build(tmp_path, env, patches={"kernel.patch": kernel_patch("fakeds/ops/csrc/kernel.cpp")})
+    assert_failed_cleanly(proc, out, env, "patch kernel.patch changes fakeds/ops/csrc/kernel.cpp, a packaged copy; "
+                          "change csrc/kernel.cpp")
+
+
+def test_patch_of_the_canonical_copy_reaches_the_packaged_copy(tmp_path, env):
+    sdist = fakefork.make_sdist(str(tmp_path))
+    root = fakefork.make_fork(str(tmp_path / "fork"), sdist, patches={"kernel.patch": kernel_patch("csrc/kernel.cpp")})
+    env["DS_FORK_SDIST"] = sdist
+    show = ("from forkbuild import stage\n"
+            "with stage.staged_tree('.') as (pin, tree):\n"
+            "    print([open(f'{tree}/{p}').read().strip() for p in ('csrc/kernel.cpp', 'fakeds/ops/csrc/kernel.cpp')])")
+    proc = subprocess.run([sys.executable, "-c", show], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(["int kernel() { return 2; }"] * 2)

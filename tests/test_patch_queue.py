@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -10,13 +11,9 @@ import fakefork
 
 ANSWER_UPSTREAMED = fakefork.ANSWER_PATCH.replace("Last-Update: 2026-11-22\n",
                                                   "Last-Update: 2026-11-22\nApplied-Upstream: 1.1, http://x/1\n")
+# The canonical copy only (upstream's git has no other); the build and the queue mirror it into the packaged one.
 KERNEL_PATCH = fakefork.header("kernel 7") + """--- a/csrc/kernel.cpp
 +++ b/csrc/kernel.cpp
-@@ -1 +1 @@
--int kernel() { return 1; }
-+int kernel() { return 7; }
---- a/fakeds/ops/csrc/kernel.cpp
-+++ b/fakeds/ops/csrc/kernel.cpp
 @@ -1 +1 @@
 -int kernel() { return 1; }
 +int kernel() { return 7; }
@@ -79,8 +76,13 @@ def test_new_commit_becomes_a_patch_with_its_twin_mirrored(fork):
     assert pq(fork, "export").returncode == 0
     assert read(fork, "patches", "series") == "answer.patch\nkernel.patch\neight.patch\n"
     eight = read(fork, "patches", "eight.patch")
-    assert eight.startswith("Description: kernel 8\n") and "+++ b/fakeds/ops/csrc/kernel.cpp" in eight
+    # The packaged copy the commit changed too is left out: the build mirrors the canonical one into it.
+    assert eight.startswith("Description: kernel 8\n") and "+++ b/csrc/kernel.cpp" in eight
+    assert "fakeds/ops/csrc" not in eight
     assert pq(fork, "check").returncode == 0
+    # A fresh import mirrors it again.
+    assert pq(fork, "import", "--force").returncode == 0
+    assert read(tree, "fakeds", "ops", "csrc", "kernel.cpp") == "int kernel() { return 8; }\n"
 
 
 def test_check_reports_a_hand_edited_patch(fork):
@@ -149,3 +151,64 @@ def test_real_queue_round_trips(repo_root):
     """The fork's own patches/ is exactly what the queue exports (so nobody hand-edited a hunk)."""
     res = pq(repo_root, "check")
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+GIT = ["git", "-c", "safe.directory=*", "-c", "user.name=t", "-c", "user.email=t@t"]
+
+
+def upstream_git_layout(sdist, dest, mirrors):
+    """The sdist's tree laid out as upstream's repository: each packaged copy of a mirrored directory a link to the
+    canonical one; committed as one commit."""
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:
+            tar.extractall(dest)
+    tree = os.path.join(dest, top)
+    for canonical, packaged in mirrors:
+        subprocess.run(["rm", "-rf", os.path.join(tree, packaged)], check=True)
+        os.symlink(os.path.relpath(os.path.join(tree, canonical), os.path.dirname(os.path.join(tree, packaged))),
+                   os.path.join(tree, packaged))
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "upstream"]):
+        subprocess.run(GIT + args, cwd=tree, check=True, capture_output=True)
+    return tree
+
+
+def git_am(tree, patch_dir):
+    files = sorted(os.path.join(patch_dir, f) for f in os.listdir(patch_dir))
+    return subprocess.run(GIT + ["am", "-q"] + files, cwd=tree, capture_output=True, text=True)
+
+
+def test_export_upstream_applies_with_git_am_to_upstream_layout(fork, tmp_path):
+    res = pq(fork, "export-upstream", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    tree = upstream_git_layout(os.environ["DS_FORK_SDIST"], str(tmp_path / "up"), [("csrc", "fakeds/ops/csrc")])
+    am = git_am(tree, str(tmp_path / "out"))
+    assert am.returncode == 0, am.stdout + am.stderr
+    log = subprocess.run(GIT + ["log", "--format=%s", "-2"], cwd=tree, capture_output=True, text=True).stdout
+    assert log.splitlines() == ["kernel 7", "answer 42"]  # git am drops the "[PATCH n/N]" prefix
+    assert read(tree, "csrc", "kernel.cpp") == read(tree, "fakeds", "ops", "csrc", "kernel.cpp") == \
+        "int kernel() { return 7; }\n"
+
+
+def test_export_upstream_refuses_a_patch_of_a_packaged_copy(fork, tmp_path):
+    path = os.path.join(fork, "patches", "kernel.patch")
+    with open(path, "w") as f:
+        f.write(KERNEL_PATCH.replace("csrc/kernel.cpp", "fakeds/ops/csrc/kernel.cpp"))
+    res = pq(fork, "export-upstream", str(tmp_path / "out"))
+    assert res.returncode == 2 and "changes fakeds/ops/csrc/kernel.cpp, a packaged copy" in res.stderr
+
+
+def test_real_series_applies_to_upstream_git_layout(repo_root, pin, tmp_path):
+    """Every patch of the fork applies with `git am` to the pinned release laid out as upstream's git."""
+    from forkbuild import source
+
+    sdist = source.obtain(pin, repo_root)
+    res = pq(repo_root, "export-upstream", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    tree = upstream_git_layout(sdist, str(tmp_path / "up"), pin.mirrors)
+    am = git_am(tree, str(tmp_path / "out"))
+    assert am.returncode == 0, am.stdout + am.stderr
+    count = subprocess.run(GIT + ["rev-list", "--count", "HEAD"], cwd=tree, capture_output=True, text=True).stdout
+    assert int(count) == 1 + len(os.listdir(tmp_path / "out"))
