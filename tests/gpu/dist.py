@@ -131,6 +131,16 @@ class DistResult:
             status += f"; worker errors {errors}"
         return status
 
+    def save(self, name: str) -> None:
+        """Keep the job's summary and per-rank reports as $GPU_TEST_REPORT_DIR/<name>.json, if that is set."""
+        report_dir = os.environ.get("GPU_TEST_REPORT_DIR")
+        if not report_dir:
+            return
+        os.makedirs(report_dir, exist_ok=True)
+        with open(os.path.join(report_dir, f"{name}.json"), "w") as f:
+            json.dump({"summary": self.summary(), "results": {str(k): v for k, v in self.results.items()},
+                       "output_tail": "" if self.ok else self.tail(80)}, f, indent=1)
+
     def failure_message(self, lines: int = 60) -> str:
         return f"{' '.join(self.command)}\n{self.summary()}\n--- output tail ---\n{self.tail(lines)}"
 

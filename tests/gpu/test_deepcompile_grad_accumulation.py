@@ -14,7 +14,6 @@ DeepCompile ZeRO-3's recompile at its WARMUP step.
 """
 
 import importlib.util
-import json
 import math
 import os
 
@@ -48,13 +47,8 @@ def runs():
     def result(stage, variant, mode):
         key = (stage, variant, mode)
         if key not in done:
-            res = done[key] = started[key].wait()
-            report_dir = os.environ.get("GPU_TEST_REPORT_DIR")
-            if report_dir:
-                os.makedirs(report_dir, exist_ok=True)
-                with open(os.path.join(report_dir, f"dc_grad_accumulation_z{stage}_{variant}_{mode}.json"), "w") as f:
-                    json.dump({"summary": res.summary(), "results": {str(k): v for k, v in res.results.items()},
-                               "output_tail": "" if res.ok else res.tail(80)}, f, indent=1)
+            done[key] = started[key].wait()
+            done[key].save(f"dc_grad_accumulation_z{stage}_{variant}_{mode}")
         return done[key]
 
     yield result

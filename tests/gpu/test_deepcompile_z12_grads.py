@@ -9,7 +9,6 @@ Set GPU_TEST_REPORT_DIR to keep each job's per-rank JSON report there.
 """
 
 import importlib.util
-import json
 import math
 import os
 
@@ -41,13 +40,8 @@ def jobs():
 
     def result(stage, variant):
         if (stage, variant) not in done:
-            res = done[(stage, variant)] = started[(stage, variant)].wait()
-            report_dir = os.environ.get("GPU_TEST_REPORT_DIR")
-            if report_dir:
-                os.makedirs(report_dir, exist_ok=True)
-                with open(os.path.join(report_dir, f"dc_z12_grads_stage{stage}_{variant}.json"), "w") as f:
-                    json.dump({"summary": res.summary(), "results": {str(k): v for k, v in res.results.items()},
-                               "output_tail": "" if res.ok else res.tail(80)}, f, indent=1)
+            done[(stage, variant)] = started[(stage, variant)].wait()
+            done[(stage, variant)].save(f"dc_z12_grads_stage{stage}_{variant}")
         return done[(stage, variant)]
 
     yield result

@@ -16,7 +16,6 @@ the first accumulation boundary. Set GPU_TEST_REPORT_DIR to keep each job's per-
 """
 
 import importlib.util
-import json
 import math
 import os
 
@@ -55,22 +54,8 @@ def jobs():
 
     def result(variant):
         if variant not in done:
-            res = done[variant] = started[variant].wait()
-            report_dir = os.environ.get("GPU_TEST_REPORT_DIR")
-            if report_dir:
-                os.makedirs(report_dir, exist_ok=True)
-                with open(os.path.join(report_dir, f"dc_z3_eager_frame_grads_{variant}.json"), "w") as f:
-                    json.dump(
-                        {
-                            "summary": res.summary(),
-                            "results": {
-                                str(k): v
-                                for k, v in res.results.items()
-                            },
-                            "output_tail": "" if res.ok else res.tail(80)
-                        },
-                        f,
-                        indent=1)
+            done[variant] = started[variant].wait()
+            done[variant].save(f"dc_z3_eager_frame_grads_{variant}")
         return done[variant]
 
     yield result

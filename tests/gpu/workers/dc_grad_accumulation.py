@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from founding_common import describe, run_worker, setup_device  # noqa: E402
+import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
 
 MICRO_BATCH = 2
@@ -38,26 +39,7 @@ VARIANTS = {
 
 
 def ds_config(stage, grad_acc, deepcompile):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": grad_acc,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": LR,
-                "weight_decay": 0.0,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": stage,
-            "stage3_param_persistence_threshold": 0
-        },
-        "steps_per_print": 1_000_000_000,
-    }
-    if deepcompile:
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    return ds_configs.zero_adamw(stage, MICRO_BATCH, grad_acc, LR, deepcompile=deepcompile)
 
 
 def schedule(name):

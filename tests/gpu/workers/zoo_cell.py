@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from founding_common import describe, run_worker, setup_device  # noqa: E402
+import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
 
 MICRO_BATCH = 2
@@ -54,31 +55,8 @@ LENGTHS = [n for n in range(33, 64) if n % 8]
 
 
 def ds_config(stage, mode):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": GRAD_ACC,
-        "gradient_clipping": float(os.environ.get("ZOO_CLIP", "1.0")),
-        "bf16": {
-            "enabled": True
-        },
-        "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": LR,
-                "weight_decay": 0.0,
-                "torch_adam": True
-            }
-        },
-        "zero_optimization": {
-            "stage": stage,
-            # The zoo's models are tiny: without this every ZeRO-3 parameter would stay gathered for good.
-            "stage3_param_persistence_threshold": 0,
-        },
-        "steps_per_print": 1_000_000_000,
-    }
-    if mode == "deepcompile":
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    return ds_configs.zero_adamw(stage, MICRO_BATCH, GRAD_ACC, LR, deepcompile=mode == "deepcompile", bf16=True,
+                                 clip=float(os.environ.get("ZOO_CLIP", "1.0")))
 
 
 def make_batch(index, labels=True):
