@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ds_configs
+
 HIDDEN = 2048
 N_LAYERS = 4
 MICRO_BATCH = 4
@@ -118,30 +120,8 @@ def make_batch(rank, index, seq, device):
 
 
 def ds_config(stage, deepcompile):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": GAS,
-        "bf16": {
-            "enabled": True
-        },
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": LR,
-                "torch_adam": True
-            }
-        },
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": BUCKET_ELEMS if deepcompile else EAGER_BUCKET_ELEMS,
-        },
-        "steps_per_print": 1_000_000,
-        "wall_clock_breakdown": False,
-    }
-    if deepcompile:
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    return ds_configs.zero(stage, MICRO_BATCH, GAS, LR, deepcompile=deepcompile,
+                           reduce_bucket_size=BUCKET_ELEMS if deepcompile else EAGER_BUCKET_ELEMS)
 
 
 def bucket_sizes_bytes():

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from founding_common import describe, run_worker, setup_device  # noqa: E402
+import ds_configs  # noqa: E402
 
 VOCAB = 1024
 HIDDEN = 512
@@ -76,28 +77,7 @@ def make_batch(rank, step, device):
 
 
 def ds_config(stage, deepcompile):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": 1,
-        "bf16": {
-            "enabled": True
-        },
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": LR,
-                "torch_adam": True
-            }
-        },
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": stage
-        },
-        "steps_per_print": 1_000_000,
-    }
-    if deepcompile:
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    return ds_configs.zero(stage, MICRO_BATCH, 1, LR, deepcompile=deepcompile)
 
 
 def probe_backend_inputs(rec):

@@ -39,7 +39,8 @@ VARIANTS = {
 
 
 def ds_config(stage, grad_acc, deepcompile):
-    return ds_configs.zero_adamw(stage, MICRO_BATCH, grad_acc, LR, deepcompile=deepcompile)
+    return ds_configs.zero(stage, MICRO_BATCH, grad_acc, LR, optimizer="AdamW", deepcompile=deepcompile, bf16=False,
+                           stage3_param_persistence_threshold=0)
 
 
 def schedule(name):

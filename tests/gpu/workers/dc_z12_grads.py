@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ds_configs
+
 HIDDEN = 512
 MICRO_BATCH = 8
 GAS = 2
@@ -70,28 +72,7 @@ def make_model(variant):
 
 
 def ds_config(stage, deepcompile):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": GAS,
-        "bf16": {
-            "enabled": True
-        },
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": LR,
-                "torch_adam": True
-            }
-        },
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": stage
-        },
-        "steps_per_print": 1_000_000,
-    }
-    if deepcompile:
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    return ds_configs.zero(stage, MICRO_BATCH, GAS, LR, deepcompile=deepcompile)
 
 
 def make_batch(rank, index, device):

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ds_configs
+
 HIDDEN = 512
 VOCAB = 256
 SEQ = 16
@@ -95,30 +97,8 @@ def make_model(variant):
 
 
 def ds_config(deepcompile, variant):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": GAS,
-        "bf16": {
-            "enabled": variant != "tied"
-        },
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": LR,
-                "torch_adam": True
-            }
-        },
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "reduce_bucket_size": 1_000_000,
-        },
-        "steps_per_print": 1_000_000,
-    }
-    if deepcompile:
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    return ds_configs.zero(3, MICRO_BATCH, GAS, LR, deepcompile=deepcompile, bf16=variant != "tied",
+                           stage3_param_persistence_threshold=0, reduce_bucket_size=1_000_000)
 
 
 def make_batch(variant, rank, index, device):

@@ -35,6 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ds_configs
+
 HIDDEN = 4096
 LAYERS = 8
 MICRO_BATCH = 4
@@ -122,34 +124,11 @@ def make_batch(rank, index, device, dtype=torch.bfloat16):
 
 
 def ds_config(job, deepcompile):
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": GAS[job],
-        "bf16": {
-            "enabled": dtype_of(job) == torch.bfloat16
-        },
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": LR,
-                "torch_adam": True
-            }
-        },
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            # Eager ZeRO-3 at its leanest: no prefetch, release every parameter after its use.
-            "stage3_prefetch_bucket_size": 0,
-            "stage3_max_reuse_distance": 0,
-            "reduce_bucket_size": DC_REDUCE_BUCKET if deepcompile else EAGER_REDUCE_BUCKET,
-        },
-        "steps_per_print": 1_000_000,
-        "wall_clock_breakdown": False,
-    }
-    if deepcompile:
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    # Eager ZeRO-3 at its leanest: no prefetch, release every parameter after its use.
+    return ds_configs.zero(3, MICRO_BATCH, GAS[job], LR, deepcompile=deepcompile, bf16=dtype_of(job) == torch.bfloat16,
+                           stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
+                           stage3_max_reuse_distance=0,
+                           reduce_bucket_size=DC_REDUCE_BUCKET if deepcompile else EAGER_REDUCE_BUCKET)
 
 
 def gathered(module):

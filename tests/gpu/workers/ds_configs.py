@@ -1,30 +1,27 @@
 """DeepSpeed configs of the GPU workers: one builder instead of a dictionary per worker."""
 
 
-def zero_adamw(stage, micro_batch, grad_acc, lr, deepcompile=False, bf16=False, clip=None):
-    """ZeRO `stage` with torch's AdamW (no weight decay). Every ZeRO-3 parameter is partitioned
-    (`stage3_param_persistence_threshold` 0): the workers' models are tiny, and would otherwise stay gathered."""
+def zero(stage, micro_batch, grad_acc, lr, optimizer="Adam", deepcompile=False, bf16=True, clip=None, **zero_options):
+    """ZeRO `stage` with torch's Adam (the fix workers) or AdamW without weight decay (the model zoo); `zero_options`
+    go into `zero_optimization` (reduce_bucket_size=..., stage3_param_persistence_threshold=0, ...)."""
+    params = {"lr": lr, "torch_adam": True} if optimizer == "Adam" else {"lr": lr, "weight_decay": 0.0, "torch_adam": True}
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_acc,
+        "bf16": {
+            "enabled": bf16
+        },
         "optimizer": {
-            "type": "AdamW",
-            "params": {
-                "lr": lr,
-                "weight_decay": 0.0,
-                "torch_adam": True
-            }
+            "type": optimizer,
+            "params": params
         },
-        "zero_optimization": {
-            "stage": stage,
-            "stage3_param_persistence_threshold": 0
-        },
+        "zero_optimization": dict(stage=stage, **zero_options),
         "steps_per_print": 1_000_000_000,
     }
+    if optimizer == "Adam":
+        cfg["zero_allow_untested_optimizer"] = True
     if clip is not None:
         cfg["gradient_clipping"] = clip
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
     if deepcompile:
         cfg["compile"] = {"deepcompile": True}
     return cfg

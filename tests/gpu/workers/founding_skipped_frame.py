@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from founding_common import describe, finite, run_worker, setup_device  # noqa: E402
+import ds_configs  # noqa: E402
 
 VOCAB = 512
 HIDDEN = 256
@@ -120,30 +121,8 @@ def compared_params(variant):
 
 
 def ds_config(deepcompile):
-    cfg = {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": 1,
-        "bf16": {
-            "enabled": True
-        },
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": LR,
-                "torch_adam": True
-            }
-        },
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "reduce_bucket_size": 1_000_000,
-        },
-        "steps_per_print": 1_000_000,
-    }
-    if deepcompile:
-        cfg["compile"] = {"deepcompile": True}
-    return cfg
+    return ds_configs.zero(3, BATCH, 1, LR, deepcompile=deepcompile, stage3_param_persistence_threshold=0,
+                           reduce_bucket_size=1_000_000)
 
 
 def make_batch(rank, device):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from founding_common import describe, finite, mib, run_worker, setup_device  # noqa: E402
+import ds_configs  # noqa: E402
 
 HIDDEN = 4096
 LAYERS = 16
@@ -53,29 +54,7 @@ class Chain(nn.Module):
 
 
 def ds_config():
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "gradient_accumulation_steps": 1,
-        "bf16": {
-            "enabled": True
-        },
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": LR,
-                "torch_adam": True
-            }
-        },
-        "zero_allow_untested_optimizer": True,
-        "zero_optimization": {
-            "stage": 1,
-            "reduce_bucket_size": BUCKET_ELEMS,
-        },
-        "compile": {
-            "deepcompile": True
-        },
-        "steps_per_print": 1_000_000,
-    }
+    return ds_configs.zero(1, BATCH, 1, LR, deepcompile=True, reduce_bucket_size=BUCKET_ELEMS)
 
 
 def warm_up_blas(device):

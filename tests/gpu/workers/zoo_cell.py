@@ -55,8 +55,8 @@ LENGTHS = [n for n in range(33, 64) if n % 8]
 
 
 def ds_config(stage, mode):
-    return ds_configs.zero_adamw(stage, MICRO_BATCH, GRAD_ACC, LR, deepcompile=mode == "deepcompile", bf16=True,
-                                 clip=float(os.environ.get("ZOO_CLIP", "1.0")))
+    return ds_configs.zero(stage, MICRO_BATCH, GRAD_ACC, LR, optimizer="AdamW", deepcompile=mode == "deepcompile",
+                           clip=float(os.environ.get("ZOO_CLIP", "1.0")), stage3_param_persistence_threshold=0)
 
 
 def make_batch(index, labels=True):
