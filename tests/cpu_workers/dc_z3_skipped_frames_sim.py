@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -153,7 +154,14 @@ class GatheredStorageCensus:
                 live += storage.nbytes()
         self.peak = max(self.peak, live)
 
-    def start(self):
+    def start(self, settle_s=2.0):
+        """Begin a step's census. A gather's storage can outlive its last Python reference by a moment: gloo's worker
+        thread drops the completed work object, which references its output tensors, asynchronously. Storage still
+        alive after settle_s of garbage collection is reported as held."""
+        deadline = time.monotonic() + settle_s
+        while self.live_bytes() and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
         self.peak = self.live_bytes()
 
 
@@ -237,7 +245,6 @@ def run(variant, deepcompile, rank, rec):
         x, y = batch(rank, index)
         if op == "train":
             boundary = engine.is_gradient_accumulation_boundary()
-            gc.collect()
             census.start()
             rec["gathered_bytes_at_start"].append(census.peak)
             loss = engine(x, y)
