@@ -6,6 +6,7 @@ needs a driver and may fail here; that the shared object was compiled and linked
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,8 +17,25 @@ import pytest
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 NVCC = shutil.which("nvcc") or os.path.join(CUDA_HOME, "bin", "nvcc")
 
-pytestmark = pytest.mark.skipif(not os.path.exists(NVCC),
-                                reason="nvcc not found (set CUDA_HOME): the compile check needs the CUDA compiler")
+
+def cuda_mismatch():
+    """Why nvcc cannot build for the installed torch (torch.utils.cpp_extension refuses another CUDA major), or None."""
+    import torch
+    out = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+    nvcc = re.search(r"release (\d+)\.(\d+)", out)
+    if torch.version.cuda is None or nvcc is None:
+        return f"no CUDA version to compare (torch {torch.__version__}, nvcc: {out.strip()[-80:]!r})"
+    major = torch.version.cuda.split(".")[0]
+    if nvcc.group(1) != major:
+        return (f"nvcc {nvcc.group(1)}.{nvcc.group(2)} cannot build for torch {torch.__version__} (CUDA "
+                f"{torch.version.cuda}): the compile check of this torch needs a CUDA {major} compiler")
+    return None
+
+
+if not os.path.exists(NVCC):
+    pytestmark = pytest.mark.skip(reason="nvcc not found (set CUDA_HOME): the compile check needs the CUDA compiler")
+elif cuda_mismatch():
+    pytestmark = pytest.mark.skip(reason=cuda_mismatch())
 
 SCRIPT = """
 import sys, torch

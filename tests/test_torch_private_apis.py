@@ -49,3 +49,23 @@ def test_nested_allocator_statistics_exist():
         import torch
         assert callable(getattr(torch.cuda, "memory_stats_as_nested_dict", None))
     """)
+
+
+def test_missing_frame_strategy_interface_is_reported_once():
+    """On a torch without Dynamo's frame-strategy interface, run_as_eager_code cannot do its work: it must say so,
+    once, naming what it costs, instead of returning quietly (deepcompile-z3-getter-runs-eagerly-in-skipped-frames).
+    The interface is removed here from torch's module to stand for such a torch."""
+    run("""
+        import io, logging
+        import torch._C._dynamo.eval_frame as eval_frame
+        del eval_frame.set_code_exec_strategy
+        from deepspeed.utils import logger
+        from deepspeed.compile.z3_eager_fallback import run_as_eager_code
+        said = io.StringIO()
+        logger.addHandler(logging.StreamHandler(said))
+        assert run_as_eager_code(lambda: 1) is False
+        assert run_as_eager_code(lambda: 2) is False
+        lines = [l for l in said.getvalue().splitlines() if "frame-strategy interface" in l]
+        assert len(lines) == 1, said.getvalue()
+        assert "set_code_exec_strategy" in lines[0] and "'weight' must be 2-D" in lines[0], lines[0]
+    """)
