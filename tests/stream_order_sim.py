@@ -11,6 +11,9 @@ establish is never reported. Memory freed on the host while a stream may still u
 is not modelled: a new allocation starts with a clean history.
 
   python tests/stream_order_sim.py [CASE ...]     # JSON report on stdout
+
+STREAM_ORDER_SIM_ACCELERATOR=without_events gives the optimizer an accelerator with streams but no events and no
+Stream.wait_event; =without_events_or_record_stream one where Tensor.record_stream raises too.
 """
 
 import contextlib
@@ -32,7 +35,8 @@ MAX_REPORTED = 12
 NO_DATA_ACCESS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "record_stream"}
 
 
-class SimStream:
+class SimStreamWithoutEvents:
+    """A simulated stream of an accelerator without events: it can only wait for another stream."""
 
     def __init__(self, sim, name):
         self.sim = sim
@@ -48,17 +52,8 @@ class SimStream:
             if self.clock.get(k, 0) < v:
                 self.clock[k] = v
 
-    def wait_event(self, event):
-        if event.clock is not None:
-            self.join(event.clock)
-
     def wait_stream(self, other):
         self.join(other.clock)
-
-    def record_event(self, event=None):
-        event = event or SimEvent(self.sim)
-        event.record(self)
-        return event
 
     def query(self):
         return True
@@ -67,7 +62,19 @@ class SimStream:
         self.sim.host_wait(self)
 
     def __repr__(self):
-        return f"SimStream({self.name})"
+        return f"{type(self).__name__}({self.name})"
+
+
+class SimStream(SimStreamWithoutEvents):
+
+    def wait_event(self, event):
+        if event.clock is not None:
+            self.join(event.clock)
+
+    def record_event(self, event=None):
+        event = event or SimEvent(self.sim)
+        event.record(self)
+        return event
 
 
 class SimEvent:
@@ -94,8 +101,9 @@ class SimEvent:
 class Sim:
     """Simulated streams of one device, and the host's view of them."""
 
-    def __init__(self):
-        self.default = SimStream(self, "default")
+    def __init__(self, stream_cls=None):
+        self.stream_cls = stream_cls or SimStream
+        self.default = self.stream_cls(self, "default")
         self.current = self.default
         self.n_streams = 0
         # What the host has waited for: work issued from now on, on any stream, comes after it.
@@ -103,7 +111,7 @@ class Sim:
 
     def new_stream(self, name=None):
         self.n_streams += 1
-        return SimStream(self, name or f"stream{self.n_streams}")
+        return self.stream_cls(self, name or f"stream{self.n_streams}")
 
     @contextlib.contextmanager
     def stream(self, stream):
@@ -172,6 +180,24 @@ class SimAccelerator:
 
     def synchronize(self, *args, **kwargs):
         self._sim.synchronize_all(self._streams)
+
+
+class SimAcceleratorWithoutEvents(SimAccelerator):
+    """An accelerator with streams but no events (its Event is None, as the CPU accelerator's)."""
+    Event = None
+
+
+def record_stream_unsupported(self, stream):
+    raise RuntimeError("record_stream is not supported by this backend (simulated)")
+
+
+ACCELERATORS = {
+    # name: (accelerator, its streams, Tensor.record_stream)
+    "events": (SimAccelerator, SimStream, lambda self, stream: None),
+    "without_events": (SimAcceleratorWithoutEvents, SimStreamWithoutEvents, lambda self, stream: None),
+    "without_events_or_record_stream": (SimAcceleratorWithoutEvents, SimStreamWithoutEvents,
+                                        record_stream_unsupported),
+}
 
 
 def _extent(t):
@@ -243,16 +269,17 @@ class RaceDetector(TorchDispatchMode):
         return out
 
 
-def run_case(case):
+def run_case(case, accelerator="events"):
     import deepspeed.runtime.zero.stage_1_and_2 as zero12
 
-    sim = Sim()
+    accelerator_cls, stream_cls, record_stream = ACCELERATORS[accelerator]
+    sim = Sim(stream_cls)
     all_streams = [sim.default]
     real_get_accelerator = zero12.get_accelerator
-    accel = SimAccelerator(real_get_accelerator(), sim, all_streams)
+    accel = accelerator_cls(real_get_accelerator(), sim, all_streams)
     zero12.get_accelerator = lambda: accel
     original_record_stream = torch.Tensor.record_stream
-    torch.Tensor.record_stream = lambda self, stream: None
+    torch.Tensor.record_stream = record_stream
     current = {}
 
     def describe(ptr):
@@ -319,11 +346,13 @@ def main(argv):
     worker.CHECK_WINDOW = False
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
+    accelerator = os.environ.get("STREAM_ORDER_SIM_ACCELERATOR", "events")
     selected = argv or list(worker.CASES) + list(worker.SIM_ONLY_CASES)
-    report = {"deepspeed_version": deepspeed.__version__, "deepspeed_file": deepspeed.__file__, "cases": {}}
+    report = {"deepspeed_version": deepspeed.__version__, "deepspeed_file": deepspeed.__file__,
+              "accelerator": accelerator, "cases": {}}
     for case in selected:
         try:
-            report["cases"][case] = run_case(case)
+            report["cases"][case] = run_case(case, accelerator)
         except Exception:
             report["cases"][case] = {"error": traceback.format_exc()}
     print("STREAM_ORDER_SIM " + json.dumps(report))
