@@ -31,15 +31,34 @@ def test_frames_can_be_marked_to_run_eagerly():
     """)
 
 
-def test_inductor_keeps_side_effect_ops_through_dead_code_elimination():
-    """deepcompile-keep-inductor-dead-code-elimination: DeepCompile's ops survive Inductor's dead code elimination
-    through torch.fx.has_side_effect only where Inductor's FallbackKernel consults that registry; elsewhere the patch
-    turns elimination off for the process as 0.19.8 did, and no_grad evaluation of SDPA models crashes again."""
+def test_inductor_keeps_deepcompile_ops_and_eliminates_the_rest():
+    """deepcompile-keep-inductor-dead-code-elimination: Inductor's fallback kernels of DeepCompile's ops report side
+    effects (so dead code elimination keeps them) while other ops do not, and elimination stays on for the process.
+    Inductor consults torch.fx.has_side_effect only from some version on (2.11 does, 2.8 reads the op's schema);
+    0.19.8, and the patch before it covered 2.8, turned elimination off, and no_grad evaluation of SDPA models
+    crashed on cuDNN attention's missing logsumexp. A custom op stands in for DeepCompile's (built on GPU hosts)."""
     run("""
-        import torch.fx
-        from deepspeed.compile.inductor import _inductor_dce_honors_side_effect_registry
-        assert callable(torch.fx.has_side_effect)
-        assert _inductor_dce_honors_side_effect_registry(), "Inductor's FallbackKernel ignores torch.fx.has_side_effect"
+        import torch
+        from torch._inductor.ir import FallbackKernel
+        from torch._inductor.scheduler import Scheduler
+        elimination = Scheduler.dead_node_elimination
+
+        @torch.library.custom_op("dc::release_param", mutates_args=())
+        def release_param(a: torch.Tensor, graph_id: int, id: int, n_users: int) -> torch.Tensor:
+            return a.clone()
+
+        from deepspeed.compile.inductor import keep_deepcompile_ops_through_dead_code_elimination
+        keep_deepcompile_ops_through_dead_code_elimination()
+        keep_deepcompile_ops_through_dead_code_elimination()  # DeepCompile may be initialized more than once
+
+        class Kernel:  # what dead code elimination asks: FallbackKernel.has_side_effects of the kernel's op
+            def __init__(self, op):
+                self.op_overload = op
+
+        assert FallbackKernel.has_side_effects(Kernel(torch.ops.dc.release_param.default)), (
+            "Inductor would eliminate DeepCompile's release_param when its output is unused")
+        assert not FallbackKernel.has_side_effects(Kernel(torch.ops.aten.add.Tensor))
+        assert Scheduler.dead_node_elimination is elimination, "dead code elimination was turned off"
     """)
 
 
