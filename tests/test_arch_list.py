@@ -32,6 +32,7 @@ def builder(monkeypatch):
     ("12.0a;8.0;8.0+PTX", "8.0+PTX;12.0a"),
     ("10.0a;9.0a;8.6", "8.6+PTX;9.0a;10.0a"),
     ("8.0;9.0a+PTX", "8.0;9.0a+PTX"),
+    ("7.0;8.0+ptx", "7.0;8.0+PTX"),  # 0.19.8 took a lowercase +ptx too
 ])
 def test_jit_arch_list_keeps_suffixes_dedupes_and_orders(builder, given, handed_to_torch):
     args, env, _ = builder(given)
