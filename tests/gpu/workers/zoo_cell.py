@@ -10,7 +10,7 @@ The loop, bf16, AdamW, gradient accumulation 2, gradient clipping 1.0 (ZOO_GRAD_
 for diagnosis; the zoo runs the defaults), every micro-batch a new sequence length
 with right padding in its second row (as a collator that pads to the longest sequence gives):
   train   3 optimizer steps
-  eval    engine.eval(): 2 batches under torch.no_grad() with labels, 1 under torch.inference_mode() without labels
+  eval    engine.eval(): 4 batches under torch.no_grad() with labels, 1 under torch.inference_mode() without labels
           (logits), then engine.train()
   abandon one forward whose loss is never backpropagated
   train   3 optimizer steps, then save_checkpoint
@@ -48,7 +48,10 @@ GRAD_ACC = int(os.environ.get("ZOO_GRAD_ACC", "2"))
 # 5.86 -> 2.99) and the size of the spike followed rounding, so no tolerance could tell a defect from chaos.
 LR = 1e-3
 TRAIN_STEPS, TRAIN2_STEPS, AFTER_STEPS = 3, 3, 2
-EVAL_BATCHES = 2
+# Under no_grad, the first length compiles a static graph and the second a dynamic one; with activation
+# checkpointing the frames that training never ran (it ran them checkpointed) are first compiled at the second
+# length and become dynamic at the third. The fourth must compile nothing.
+EVAL_BATCHES = 4
 # One length per micro-batch, none a multiple of 8: Inductor specializes on divisibility by 8 (alignment), for plain
 # torch.compile and DeepCompile alike, and the zoo counts compiles caused by new lengths, not by alignment.
 LENGTHS = [n for n in range(33, 64) if n % 8]
@@ -209,7 +212,8 @@ def generate(engine, device, rec):
 def run_cell(args, stage, device, report, counters, reasons):
     rec = report["cell"] = report["cells"][str(stage)] = dict(
         model=args.model, stage=stage, reached="start", losses=[], lengths=[], compiles=[], mem_before_step=[],
-        gathered_after_step=[], eval_losses=[], eval_compiles=[], recompile_reasons=reasons, phase_s={})
+        gathered_after_step=[], eval_losses=[], eval_compiles=[], recompile_reasons=reasons, phase_s={},
+        eval_no_grad_batches=EVAL_BATCHES)
     steps = plan()
     start = phase_start = time.time()
 
