@@ -34,9 +34,10 @@ def test_frames_can_be_marked_to_run_eagerly():
 def test_inductor_keeps_deepcompile_ops_and_eliminates_the_rest():
     """deepcompile-keep-inductor-dead-code-elimination: Inductor's fallback kernels of DeepCompile's ops report side
     effects (so dead code elimination keeps them) while other ops do not, and elimination stays on for the process.
-    Inductor consults torch.fx.has_side_effect only from some version on (2.11 does, 2.8 reads the op's schema);
-    0.19.8, and the patch before it covered 2.8, turned elimination off, and no_grad evaluation of SDPA models
-    crashed on cuDNN attention's missing logsumexp. A custom op stands in for DeepCompile's (built on GPU hosts)."""
+    Inductor consults torch.fx.has_side_effect only from some version on (2.11 does, 2.8 reads the op's schema).
+    0.19.8 turned elimination off, and so did this patch on torch 2.8 before fork.7; no_grad evaluation of SDPA
+    models then crashed on cuDNN attention's missing logsumexp. A custom op stands in for DeepCompile's (built on
+    GPU hosts)."""
     run("""
         import torch
         from torch._inductor.ir import FallbackKernel
