@@ -1,0 +1,155 @@
+"""Worker for tests/test_zero_fused_overflow_check.py: the overflow check of eager ZeRO-1/2's step, on CPU.
+
+One process, world size 1, gloo, DS_ACCELERATOR=cpu: the real engine and DeepSpeedZeroOptimizer, bf16 with
+`check_grad_overflow` (the CPU accelerator has no fp16; bf16 with the check on takes the same path as fp16: a
+non-finite gradient anywhere skips the step). The model is a stack of small Linear layers, so the optimizer holds
+many small gradient tensors, the case where per-tensor work costs the most.
+
+Per case (zero stage, where to put a non-finite value: none, or (tensor index, element, value)), one training step:
+the value is written into one element of one parameter's gradient by a tensor hook, before ZeRO takes it. Recorded:
+whether the step was skipped (every parameter unchanged), the optimizer's overflow flag, the global gradient norm
+it computed (with gradient clipping) next to one computed without DeepSpeed, and how many aten ops the overflow
+check and the norm dispatched. Prints one line "ZERO_STEP_CHECKS <json>".
+"""
+
+import json
+import math
+import os
+import socket
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+LAYERS = 12
+WIDTH = 16
+BATCH = 4
+# name: (zero stage, injection, gradient_clipping). Injection None is a clean step; otherwise (parameter index,
+# element, value), negative indices counted from the end as in Python. With gradient_clipping the optimizer
+# computes the global gradient norm (clipping at 1e-3 is active on every clean step of this model).
+CASES = {
+    "z1_clean": (1, None, 0.0),
+    "z2_clean": (2, None, 0.0),
+    "z1_inf_first_tensor": (1, (0, 0, math.inf), 0.0),
+    "z2_inf_first_tensor": (2, (0, 0, math.inf), 0.0),
+    "z1_nan_middle_tensor": (1, (LAYERS, 5, math.nan), 0.0),
+    "z2_nan_middle_tensor": (2, (LAYERS, 5, math.nan), 0.0),
+    "z1_neg_inf_last_element": (1, (-1, -1, -math.inf), 0.0),
+    "z2_neg_inf_last_element": (2, (-1, -1, -math.inf), 0.0),
+    "z3_inf_first_tensor": (3, (0, 0, math.inf), 0.0),
+    "z1_clip": (1, None, 1e-3),
+    "z2_clip": (2, None, 1e-3),
+    "z3_clip": (3, None, 1e-3),
+    "z2_clip_nan": (2, (3, 0, math.nan), 1e-3),
+}
+# The optimizer methods whose dispatched aten ops are counted.
+COUNTED = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct")
+
+
+class CountOps(TorchDispatchMode):
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build_model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def reference_grad_norm(injection):
+    """The global L2 norm of the gradients of the same step without DeepSpeed, accumulated in fp64."""
+    model = build_model().to(torch.bfloat16)
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, WIDTH, dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    norms = [torch.linalg.vector_norm(p.grad.double()) for p in model.parameters()]
+    return torch.stack(norms).pow(2).sum().sqrt().item()
+
+
+def run_case(name):
+    import deepspeed
+
+    stage, injection, clipping = CASES[name]
+    model = build_model()
+    params = list(model.parameters())
+    if injection is not None:
+        index, element, value = injection
+
+        def inject(grad):
+            grad = grad.clone()
+            grad.view(-1)[element] = value
+            return grad
+
+        params[index].register_hook(inject)
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "bf16": {"enabled": True, "check_grad_overflow": True},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": clipping,
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(model=model,
+                                                   optimizer=torch.optim.SGD(params, lr=0.1),
+                                                   config=config)
+    counters = {}
+    for method in COUNTED:
+        if hasattr(optimizer, method):
+            counters[method] = counter = CountOps()
+
+            def counted(*args, _call=getattr(optimizer, method), _counter=counter, **kwargs):
+                with _counter:
+                    return _call(*args, **kwargs)
+
+            setattr(optimizer, method, counted)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        before = [p.detach().clone() for p in engine.module.parameters()]
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, WIDTH, dtype=torch.bfloat16)
+    loss = engine(x).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        after = [p.detach().clone() for p in engine.module.parameters()]
+    norm = engine.get_global_grad_norm()
+    return {
+        "tensors": len(params),
+        "overflow": bool(optimizer.overflow),
+        "skipped": all(torch.equal(a, b) for a, b in zip(before, after)),
+        "ops": {method: counter.count for method, counter in counters.items()},
+        "grad_norm": None if norm is None else float(norm),
+        "reference_grad_norm": reference_grad_norm(injection) if clipping and injection is None else None,
+    }
+
+
+def main(argv):
+    global LAYERS
+    if argv[:1] == ["--layers"]:
+        LAYERS, argv = int(argv[1]), argv[2:]
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    report = {"deepspeed_version": deepspeed.__version__, "layers": LAYERS, "cases": {}}
+    for name in argv or list(CASES):
+        report["cases"][name] = run_case(name)
+    print("ZERO_STEP_CHECKS " + json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,147 @@
+"""Eager ZeRO's step did host work per gradient tensor: the overflow check of ZeRO-1/2 (patch
+zero12-overflow-check-in-one-multi-tensor-pass) and the gradient norm of ZeRO-1/2/3 (zero-grad-norm-in-one-multi-
+tensor-pass) dispatched several ops per tensor, which dominates the step of a model of many small tensors
+(docs/eager-zero-step-work.md). Both now take one multi-tensor pass per parameter group: the number of ops they
+dispatch must not grow with the number of tensors, and what they decide must not change.
+
+tests/cpu_workers/zero_step_checks.py runs the real engine and ZeRO optimizers on CPU (world size 1, gloo) for
+each case; deepspeed is imported in processes of its own, never here (see tests/test_torch_private_apis.py).
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "cpu_workers", "zero_step_checks.py")
+sys.path.insert(0, os.path.join(HERE, "cpu_workers"))
+from zero_step_checks import CASES  # noqa: E402
+
+PREFIX = "ZERO_STEP_CHECKS "
+# The model sizes (layers of two tensors each) the op counts are compared across.
+SMALL, LARGE = 12, 24
+
+
+def cpu_env():
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def run_worker(tmp_path_factory, layers, cases=()):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    proc = subprocess.run([sys.executable, WORKER, "--layers", str(layers), *cases],
+                          capture_output=True,
+                          text=True,
+                          env=cpu_env(),
+                          cwd=str(tmp_path_factory.mktemp("zero_step")),
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len(PREFIX):])["cases"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return run_worker(tmp_path_factory, SMALL)
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    return run_worker(tmp_path_factory, LARGE, ["z1_clip", "z2_clip", "z3_clip"])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_non_finite_gradient_anywhere_skips_the_step(small, case):
+    """An inf, -inf or NaN in one element of one tensor (first, middle or last) is found and the step skipped, with
+    and without gradient clipping; a clean step is taken."""
+    stage, injection, _ = CASES[case]
+    rec = small[case]
+    assert rec["overflow"] is (injection is not None), rec
+    assert rec["skipped"] is (injection is not None), rec
+
+
+@pytest.mark.parametrize("case", ["z1_clip", "z2_clip", "z3_clip"])
+def test_the_gradient_norm_is_that_of_the_gradients(small, case):
+    """The global norm the optimizer computed equals the norm of the same step's gradients without DeepSpeed,
+    accumulated in fp64; ZeRO-1/2 round the sum of squares to fp32 before the root (as 0.19.8 does), hence the
+    tolerance, far below any change in which tensors are counted (each contributes more than 1e-4 here)."""
+    rec = small[case]
+    assert rec["grad_norm"] == pytest.approx(rec["reference_grad_norm"], rel=1e-6), rec
+
+
+@pytest.mark.parametrize("case", ["z1_clip", "z2_clip", "z3_clip"])
+def test_the_step_checks_dispatch_no_op_per_tensor(small, large, case):
+    """The overflow check (ZeRO-1/2; ZeRO-3 checks its flat buffer already) and the norm dispatch as many ops for a
+    model of 48 gradient tensors as for one of 24. 0.19.8: about 13 and 4 ops per tensor."""
+    assert small[case]["tensors"] == 2 * SMALL and large[case]["tensors"] == 2 * LARGE
+    assert large[case]["ops"] == small[case]["ops"], (small[case], large[case])
+    assert small[case]["ops"]["get_grad_norm_direct"] > 0, "the norm was not computed"
+    if case != "z3_clip":
+        assert small[case]["ops"]["has_overflow_partitioned_grads_serial"] > 0, "the overflow check did not run"
+
+
+def run_utils(code):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True,
+                          text=True,
+                          env=cpu_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+CHECK = """
+    import math
+    import torch
+    from deepspeed.runtime.utils import accumulate_inf_or_nan_
+
+    def found(tensors):
+        flag = torch.zeros(1)
+        accumulate_inf_or_nan_(tensors, flag)
+        return flag.item()
+
+    clean = [torch.tensor([1e-45, -0.0, 3.4e38, -3.4e38]), torch.empty(0), torch.randn(7).bfloat16()]
+    copies = [t.clone() for t in clean]
+    assert found(clean) == 0.0
+    # The fused check rewrites every element with itself: nothing may change, to the bit.
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(clean, copies))
+    for value in (math.inf, -math.inf, math.nan):
+        for where in range(3):
+            tensors = [torch.ones(5), torch.ones(3, dtype=torch.bfloat16), torch.ones(2, 2)]
+            tensors[where].view(-1)[-1] = value
+            assert found(tensors) == 1.0, (value, where)
+    sparse = torch.sparse_coo_tensor([[0, 3]], [1.0, math.nan], (6,))
+    assert found([torch.ones(2), sparse]) == 1.0
+    assert found([torch.ones(2), torch.sparse_coo_tensor([[1]], [2.0], (6,))]) == 0.0
+    assert found([]) == 0.0
+"""
+
+
+def test_the_fused_check_finds_every_non_finite_value_and_changes_nothing():
+    run_utils(CHECK)
+
+
+def test_without_the_fused_op_the_check_warns_and_goes_tensor_by_tensor():
+    """A device whose torch has no multi-tensor non-finite check (a NotImplementedError from the op) keeps the
+    per-tensor check, says so once, and still finds every value."""
+    out = run_utils(
+        textwrap.dedent("""
+        import torch
+
+        def missing(*args):
+            raise NotImplementedError("no kernel for this backend")
+
+        torch._amp_foreach_non_finite_check_and_unscale_ = missing
+    """) + textwrap.dedent(CHECK))
+    assert out.count("no multi-tensor non-finite check on cpu") == 1, out
