@@ -1,0 +1,106 @@
+"""The cells of the eager ZeRO differential suite (tools/zero-diff, issue 18): which configurations run, fork
+against 0.19.8, and why these.
+
+Eleven factors of a ZeRO configuration, each with the levels users set (FACTORS). Their full product is 16,384
+configurations, far too many to run twice in ten minutes, so the suite runs a covering design instead: every pair of
+levels of any two factors that some valid configuration holds appears in at least one cell (all pairs, strength 2).
+Interactions of two options are where defects of this kind have lived (overlap_comm with contiguous gradients
+off, bf16 with fp32 accumulation under ZeRO-2, ...); a defect that needs three specific levels can slip through, and
+the cells a defect report names can be added to EXTRA_CELLS.
+
+Levels that a configuration ignores are fixed to one value before cells are compared (ZeRO-0 has no buckets, no
+overlap and no offload; ZeRO-3 has no reduce_scatter or multi-rank bucket all-reduce switch; DeepSpeed MoE layers run
+on ZeRO-0/1/2 and need reduce_scatter; bf16 with fp32 accumulation needs ZeRO), so no pair is required that no
+configuration can hold. fp16 needs an accelerator with fp16 (not
+DeepSpeed's CPU accelerator). The design is built greedily and deterministically (the configuration covering most
+uncovered pairs, first in enumeration order on ties), so the cell list is the same on every host.
+"""
+
+import itertools
+
+# factor: levels; the first level is the one a configuration that ignores the factor gets.
+FACTORS = {
+    "stage": (0, 1, 2, 3),
+    "precision": ("bf16", "fp32", "fp16", "bf16_fp32_accum"),
+    "overlap_comm": (False, True),
+    "contiguous_gradients": (True, False),
+    "reduce_scatter": (True, False),
+    "multi_rank_bucket_allreduce": (True, False),
+    "grad_accum": (1, 2),
+    "clip": (0.0, 1.0),
+    "frozen": (False, True),
+    "offload": ("none", "cpu"),
+    "model": ("dense", "moe"),
+}
+NAMES = tuple(FACTORS)
+# Cells run in addition to the design (a configuration a report names).
+EXTRA_CELLS = ()
+
+
+def normalize(cell):
+    """The configuration as DeepSpeed sees it: factors it ignores set to their first level. None if invalid."""
+    cell = dict(cell)
+    if cell["model"] == "moe" and (cell["stage"] == 3 or not cell["reduce_scatter"]):
+        return None  # DeepSpeed MoE: ZeRO-0/1/2, and ZeRO-1/2 assert reduce_scatter
+    if cell["stage"] == 0 and cell["precision"] == "bf16_fp32_accum":
+        return None  # bf16 without ZeRO accumulates in bf16 (NotImplementedError otherwise)
+    if cell["stage"] == 0:
+        for name in ("overlap_comm", "contiguous_gradients", "reduce_scatter", "multi_rank_bucket_allreduce",
+                     "offload"):
+            cell[name] = FACTORS[name][0]
+    if cell["stage"] == 3:
+        cell["reduce_scatter"] = FACTORS["reduce_scatter"][0]
+        cell["multi_rank_bucket_allreduce"] = FACTORS["multi_rank_bucket_allreduce"][0]
+    return cell
+
+
+def name(cell):
+    short = {True: "1", False: "0"}
+    parts = [f"z{cell['stage']}", cell["precision"]]
+    for key, tag in (("overlap_comm", "oc"), ("contiguous_gradients", "cg"), ("reduce_scatter", "rs"),
+                     ("multi_rank_bucket_allreduce", "mr")):
+        parts.append(tag + short[cell[key]])
+    parts += [f"ga{cell['grad_accum']}", "clip" if cell["clip"] else "noclip", "frozen" if cell["frozen"] else "all",
+              f"off-{cell['offload']}", cell["model"]]
+    return "-".join(parts)
+
+
+def valid_configurations(fp16=True):
+    seen, out = set(), []
+    for levels in itertools.product(*FACTORS.values()):
+        cell = normalize(dict(zip(NAMES, levels)))
+        if cell is None or (cell["precision"] == "fp16" and not fp16):
+            continue
+        key = tuple(cell[n] for n in NAMES)
+        if key not in seen:
+            seen.add(key)
+            out.append(cell)
+    return out
+
+
+def pairs(cell):
+    return {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(NAMES, 2)}
+
+
+def covering_cells(fp16=True):
+    """All-pairs cells over the valid configurations, in the order they were chosen."""
+    configs = valid_configurations(fp16)
+    index = {}
+    masks = []
+    for cell in configs:
+        mask = 0
+        for pair in pairs(cell):
+            mask |= 1 << index.setdefault(pair, len(index))
+        masks.append(mask)
+    uncovered = (1 << len(index)) - 1
+    chosen = []
+    while uncovered:
+        best = max(range(len(configs)), key=lambda i: (bin(masks[i] & uncovered).count("1"), -i))
+        chosen.append(configs[best])
+        uncovered &= ~masks[best]
+    return chosen + [normalize(c) for c in EXTRA_CELLS]
+
+
+def cells(fp16=True):
+    """{name: cell} of the suite."""
+    return {name(c): c for c in covering_cells(fp16)}

@@ -1,0 +1,106 @@
+"""The eager ZeRO differential suite (tools/zero-diff, issue 18): its cells cover every pair of option levels, and on
+CPU the fork trains every cell bit for bit as upstream 0.19.8 does, at 1 and 2 ranks.
+
+On this CPU-only machine DeepSpeed's CPU accelerator runs (gloo, no streams, no fp16), so the stream-ordering patch
+is not exercised here; the same cells with fp16 run on GPUs through tools/gpu-suite. 0.19.8 is built from the pinned
+sdist (the one the fork's build verified) with `pip install --target`.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "gpu", "workers"))
+import zero_diff_cells  # noqa: E402
+
+TOOL = os.path.join(REPO, "tools", "zero-diff")
+
+
+@pytest.mark.parametrize("fp16", [True, False], ids=["gpu", "cpu"])
+def test_cells_cover_every_pair_of_levels(fp16):
+    cells = zero_diff_cells.covering_cells(fp16)
+    assert len({zero_diff_cells.name(c) for c in cells}) == len(cells), "two cells share a name"
+    for cell in cells:
+        assert zero_diff_cells.normalize(cell) == cell, f"cell not in normal form: {cell}"
+        assert fp16 or cell["precision"] != "fp16"
+    covered = set().union(*(zero_diff_cells.pairs(c) for c in cells))
+    required = set().union(*(zero_diff_cells.pairs(c) for c in zero_diff_cells.valid_configurations(fp16)))
+    missing = required - covered
+    assert not missing, f"{len(missing)} pairs of levels in no cell, e.g. {sorted(missing, key=str)[:3]}"
+    # Every level of every factor that can be set is set somewhere (fp16 only where the accelerator has it).
+    for factor, levels in zero_diff_cells.FACTORS.items():
+        seen = {c[factor] for c in cells}
+        assert seen == set(levels) - ({"fp16"} if not fp16 else set()), (factor, seen)
+    assert len(cells) < 30, "the design grew: it must stay within one 10-minute GPU command"
+
+
+def test_normal_form_drops_what_deepspeed_ignores():
+    base = dict(zip(zero_diff_cells.NAMES, (levels[-1] for levels in zero_diff_cells.FACTORS.values())))
+    z0 = zero_diff_cells.normalize(dict(base, stage=0, precision="bf16", model="dense"))
+    assert (z0["overlap_comm"], z0["contiguous_gradients"], z0["offload"]) == (False, True, "none")
+    assert zero_diff_cells.normalize(dict(base, stage=3, model="moe")) is None
+    assert zero_diff_cells.normalize(dict(base, stage=2, model="moe", reduce_scatter=False)) is None
+    z3 = zero_diff_cells.normalize(dict(base, stage=3, model="dense"))
+    assert z3["reduce_scatter"] is True and z3["multi_rank_bucket_allreduce"] is True
+
+
+@pytest.fixture(scope="module")
+def upstream_site(tmp_path_factory, pin):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    from forkbuild import source
+    sdist = source.obtain(pin, REPO)
+    site = tmp_path_factory.mktemp("deepspeed-0.19.8")
+    proc = subprocess.run([
+        sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+        str(site), sdist
+    ],
+                          capture_output=True,
+                          text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return str(site)
+
+
+def run_tool(out, *args):
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "PYTHONPATH"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, TOOL, "--out", str(out), *args],
+                          capture_output=True,
+                          text=True,
+                          env=env,
+                          timeout=1500)
+    path = os.path.join(out, "zero-diff.json")
+    assert os.path.exists(path), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(path) as f:
+        return proc, json.load(f)
+
+
+CONTROL = "z2-bf16-oc0-cg0-rs1-mr0-ga2-noclip-all-off-none-dense"
+
+
+def test_the_fork_trains_every_cell_as_0_19_8_at_one_rank(upstream_site, tmp_path):
+    """Every CPU cell equal to the bit, except the control, whose learning rate the fork's side raised by 0.1 %: it
+    must differ, or the comparison could not see a difference."""
+    proc, report = run_tool(tmp_path, "--site", f"0.19.8={upstream_site}", "--perturb", CONTROL)
+    versions = [ranks[0]["deepspeed_version"] for ranks in report["reports"]]
+    assert versions[0] == "0.19.8" and "+fork." in versions[1], versions
+    rows = {name: (result, where) for name, result, where in report["rows"]}
+    assert CONTROL in rows and len(rows) == len(zero_diff_cells.cells(fp16=False))
+    assert rows.pop(CONTROL)[0] == "DIFFERS", proc.stdout
+    assert proc.returncode == 1
+    bad = {name: row for name, row in rows.items() if row[0] != "equal"}
+    assert not bad, proc.stdout
+
+
+def test_the_fork_trains_every_cell_as_0_19_8_at_two_ranks(upstream_site, tmp_path):
+    proc, report = run_tool(tmp_path, "--site", f"0.19.8={upstream_site}", "--world-size", "2")
+    bad = {name: (result, where) for name, result, where in report["rows"] if result != "equal"}
+    assert not bad and proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert all(len(ranks) == 2 for ranks in report["reports"])
