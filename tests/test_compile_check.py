@@ -19,7 +19,8 @@ NVCC = shutil.which("nvcc") or os.path.join(CUDA_HOME, "bin", "nvcc")
 
 
 def cuda_mismatch():
-    """Why nvcc cannot build for the installed torch (torch.utils.cpp_extension refuses another CUDA major), or None."""
+    """Why nvcc cannot build for the installed torch (torch.utils.cpp_extension refuses another CUDA major; CUDA's
+    headers refuse an nvcc older than themselves), or None."""
     import torch
     out = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
     nvcc = re.search(r"release (\d+)\.(\d+)", out)
@@ -29,6 +30,13 @@ def cuda_mismatch():
     if nvcc.group(1) != major:
         return (f"nvcc {nvcc.group(1)}.{nvcc.group(2)} cannot build for torch {torch.__version__} (CUDA "
                 f"{torch.version.cuda}): the compile check of this torch needs a CUDA {major} compiler")
+    torch_cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    if (int(nvcc.group(1)), int(nvcc.group(2))) < torch_cuda:
+        # The build includes the CUDA headers of torch's own nvidia packages; CCCL rejects an older nvcc with them
+        # ("CUDA compiler and CUDA toolkit headers are incompatible"), as it would for a user with that toolchain.
+        return (f"nvcc {nvcc.group(1)}.{nvcc.group(2)} is older than the CUDA {torch.version.cuda} of torch "
+                f"{torch.__version__}, whose headers the build includes: the compile check needs nvcc >= "
+                f"{torch.version.cuda}")
     return None
 
 

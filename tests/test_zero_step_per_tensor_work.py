@@ -145,3 +145,14 @@ def test_without_the_fused_op_the_check_warns_and_goes_tensor_by_tensor():
         torch._amp_foreach_non_finite_check_and_unscale_ = missing
     """) + textwrap.dedent(CHECK))
     assert out.count("no multi-tensor non-finite check on cpu") == 1, out
+
+
+def test_the_zero3_overflow_check_allocates_nothing_the_size_of_the_gradients(small, large):
+    """Patch zero3-overflow-check-without-boolean-masks: ZeRO-3's check of its flat gradient buffer made two boolean
+    copies of it (isinf, isnan), a byte per gradient element at every fp16 step; it now reduces it to scalars. It
+    still finds the inf the case put in the first tensor, and nothing in a clean step."""
+    for rec in (small["z3_clip"], large["z3_clip"]):
+        assert rec["ops"]["has_overflow"] > 0, "the check did not run"
+        assert rec["largest_bytes"]["has_overflow"] <= 8, rec["largest_bytes"]
+        assert rec["zero3_check"] is False
+    assert small["z3_inf_first_tensor"]["zero3_check"] is True
