@@ -15,12 +15,14 @@ check and the norm dispatched, and the largest tensor they allocated. Prints one
 import json
 import math
 import os
-import socket
 import sys
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import ensure_dist_env  # noqa: E402
 
 LAYERS = 12
 WIDTH = 16
@@ -146,14 +148,7 @@ def main(argv):
     global LAYERS
     if argv[:1] == ["--layers"]:
         LAYERS, argv = int(argv[1]), argv[2:]
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    ensure_dist_env()
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     report = {"deepspeed_version": deepspeed.__version__, "layers": LAYERS, "cases": {}}
