@@ -3,7 +3,7 @@ CPU the fork trains every cell bit for bit as upstream 0.19.8 does, at 1 and 2 r
 
 On this CPU-only machine DeepSpeed's CPU accelerator runs (gloo, no streams, no fp16), so the stream-ordering patch
 is not exercised here; the same cells with fp16 run on GPUs through tools/gpu-suite. 0.19.8 is built from the pinned
-sdist (the one the fork's build verified) with `pip install --target`.
+sdist (the one the fork's build verified) by the tool (`--site 0.19.8=pinned`).
 """
 
 import importlib.util
@@ -50,45 +50,36 @@ def test_normal_form_drops_what_deepspeed_ignores():
 
 
 @pytest.fixture(scope="module")
-def upstream_site(tmp_path_factory, pin):
+def out(tmp_path_factory):
+    """One output folder for the module, so that 0.19.8 is built once (tools/zero-diff --site 0.19.8=pinned)."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    from forkbuild import source
-    sdist = source.obtain(pin, REPO)
-    site = tmp_path_factory.mktemp("deepspeed-0.19.8")
-    proc = subprocess.run([
-        sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
-        str(site), sdist
-    ],
-                          capture_output=True,
-                          text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return str(site)
+    return tmp_path_factory.mktemp("zero-diff")
 
 
 def run_tool(out, *args):
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "PYTHONPATH"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, TOOL, "--out", str(out), *args],
+    proc = subprocess.run([sys.executable, TOOL, "--out", str(out), "--site", "0.19.8=pinned", *args],
                           capture_output=True,
                           text=True,
                           env=env,
                           timeout=1500)
     path = os.path.join(out, "zero-diff.json")
-    assert os.path.exists(path), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode in (0, 1) and os.path.exists(path), (
+        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(path) as f:
         return proc, json.load(f)
 
 
-CONTROL = "z2-bf16-oc0-cg0-rs1-mr0-ga2-noclip-all-off-none-dense"
+CONTROL = zero_diff_cells.CONTROL
 
 
-def test_the_fork_trains_every_cell_as_0_19_8_at_one_rank(upstream_site, tmp_path):
+def test_the_fork_trains_every_cell_as_0_19_8_at_one_rank(out):
     """Every CPU cell equal to the bit, except the control, whose learning rate the fork's side raised by 0.1 %: it
     must differ, or the comparison could not see a difference."""
-    proc, report = run_tool(tmp_path, "--site", f"0.19.8={upstream_site}", "--perturb", CONTROL)
+    proc, report = run_tool(out, "--perturb", CONTROL)
     versions = [ranks[0]["deepspeed_version"] for ranks in report["reports"]]
     assert versions[0] == "0.19.8" and "+fork." in versions[1], versions
     rows = {name: (result, where) for name, result, where in report["rows"]}
@@ -99,8 +90,8 @@ def test_the_fork_trains_every_cell_as_0_19_8_at_one_rank(upstream_site, tmp_pat
     assert not bad, proc.stdout
 
 
-def test_the_fork_trains_every_cell_as_0_19_8_at_two_ranks(upstream_site, tmp_path):
-    proc, report = run_tool(tmp_path, "--site", f"0.19.8={upstream_site}", "--world-size", "2")
+def test_the_fork_trains_every_cell_as_0_19_8_at_two_ranks(out):
+    proc, report = run_tool(out, "--world-size", "2")
     bad = {name: (result, where) for name, result, where in report["rows"] if result != "equal"}
     assert not bad and proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert all(len(ranks) == 2 for ranks in report["reports"])

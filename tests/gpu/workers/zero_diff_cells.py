@@ -35,6 +35,8 @@ FACTORS = {
 NAMES = tuple(FACTORS)
 # Cells run in addition to the design (a configuration a report names).
 EXTRA_CELLS = ()
+# The cell the suite's tests perturb (tools/zero-diff --perturb): it must differ, or the comparison sees nothing.
+CONTROL = "z2-bf16-oc0-cg0-rs1-mr0-ga2-noclip-all-off-none-dense"
 
 
 def normalize(cell):
