@@ -73,7 +73,7 @@ def run_tool(out, *args):
         return proc, json.load(f)
 
 
-CONTROL = zero_diff_cells.CONTROL
+CONTROL = zero_diff_cells.control(fp16=False)
 
 
 def test_the_fork_trains_every_cell_as_0_19_8_at_one_rank(out):
@@ -95,3 +95,21 @@ def test_the_fork_trains_every_cell_as_0_19_8_at_two_ranks(out):
     bad = {name: (result, where) for name, result, where in report["rows"] if result != "equal"}
     assert not bad and proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert all(len(ranks) == 2 for ranks in report["reports"])
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_control_cell_is_a_cell_of_the_host_design(fp16):
+    """The first GPU run perturbed a control chosen from the CPU design, which the fp16 design does not hold: nothing
+    was perturbed. Each design names its own control, a bf16 ZeRO-2 cell with accumulation."""
+    name = zero_diff_cells.control(fp16)
+    cell = zero_diff_cells.cells(fp16)[name]
+    assert (cell["stage"], cell["precision"], cell["grad_accum"]) == (2, "bf16", 2)
+
+
+def test_perturbing_a_cell_the_run_does_not_hold_is_refused(tmp_path):
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    proc = subprocess.run([sys.executable, TOOL, "--out", str(tmp_path), "--site", "a=/nonexistent", "--perturb",
+                           "z9-nothing"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--perturb z9-nothing: not a cell of this run" in proc.stderr
+    assert not os.listdir(tmp_path), "the refused run wrote output"

@@ -35,8 +35,6 @@ FACTORS = {
 NAMES = tuple(FACTORS)
 # Cells run in addition to the design (a configuration a report names).
 EXTRA_CELLS = ()
-# The cell the suite's tests perturb (tools/zero-diff --perturb): it must differ, or the comparison sees nothing.
-CONTROL = "z2-bf16-oc0-cg0-rs1-mr0-ga2-noclip-all-off-none-dense"
 
 
 def normalize(cell):
@@ -106,3 +104,12 @@ def covering_cells(fp16=True):
 def cells(fp16=True):
     """{name: cell} of the suite."""
     return {name(c): c for c in covering_cells(fp16)}
+
+
+def control(fp16=True):
+    """The cell the suite's tests perturb (tools/zero-diff --perturb), which must then differ, or the comparison sees
+    nothing: the first ZeRO-2 cell in bf16 with gradient accumulation, so that both micro-batches and the step run
+    through the buckets, and no fp16 loss scaler can skip the step that shows the perturbation. Chosen from the cells
+    of this host (the design with fp16 differs from the one without)."""
+    return next(n for n, c in cells(fp16).items()
+                if c["stage"] == 2 and c["precision"] == "bf16" and c["grad_accum"] == 2)
