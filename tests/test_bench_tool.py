@@ -1,0 +1,67 @@
+"""tools/bench on the CPU: a real run of the tiny cell set through the whole protocol, and its refusals."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, "tools", "bench")
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from bench_cells import SETS, flops_per_token  # noqa: E402
+
+
+def bench(*args, timeout=600):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_flops_per_token_is_six_n_plus_the_attention_term():
+    assert flops_per_token(1000, layers=2, hidden=8, seq=16) == 6 * 1000 + 12 * 2 * 8 * 16
+
+
+def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    proc = bench("--sets", "tiny", "--repeats", "2", "--steps", "3", "--warmup", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "bench.json") as f:
+        data = json.load(f)
+    subjects = [s for group in SETS["tiny"][3] for s in group]
+    assert [r["subject"] for r in data["rows"]] == subjects
+    for row in data["rows"]:
+        assert len(row["blocks"]) == 2 and all(len(b["step_s"]) == 3 for b in row["blocks"]), row
+        assert row["spread"][0] <= row["step_s"] <= row["spread"][1] or len({*row["spread"]}) == 1
+        assert row["tokens_per_step"] == 2 * 32 and row["step_s"] > 0
+    ds = [r for r in data["rows"] if r["subject"].startswith("ds-")]
+    assert all("+fork." in r["deepspeed"] for r in ds), [r.get("deepspeed") for r in ds]
+    assert "| tiny | ds-z3 |" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sets", "nope"], "unknown cell set 'nope'"),
+    (["--site", "x=/nonexistent"], "--site x=/nonexistent: want LABEL=DIR"),
+    (["--repeats", "0"], "must be at least 1"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
+    proc = bench(*args, "--out", str(tmp_path / "out"), timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_site_that_does_not_hold_the_deepspeed_imported_fails_its_row(tmp_path):
+    """--site must test what it names: a site whose deepspeed is shadowed reports an error, not another's times."""
+    pytest.importorskip("deepspeed")
+    site = tmp_path / "site"
+    (site / "deepspeed").mkdir(parents=True)  # a deepspeed that fails to import
+    (site / "deepspeed" / "__init__.py").write_text("raise ImportError('a broken site')\n")
+    proc = bench("--sets", "tiny", "--site", f"broken={site}", "--repeats", "1", "--steps", "1", "--warmup", "1",
+                 "--out", str(tmp_path / "out"))
+    assert proc.returncode == 1
+    with open(tmp_path / "out" / "bench.json") as f:
+        rows = {r["subject"]: r for r in json.load(f)["rows"]}
+    assert "step_s" in rows["torch"] and "a broken site" in rows["ds-z1"]["error"], rows["ds-z1"].get("error")

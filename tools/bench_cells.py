@@ -1,0 +1,64 @@
+"""What tools/bench measures: the models, the subjects and the named cell sets.
+
+A subject is how a training step is run: plain PyTorch (`torch`), `torch.compile` of the model (`compile`), eager
+DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`), or FSDP2 with a
+`torch.compile` per block (`fsdp2`). Every subject trains the same model from the same seed with AdamW (torch's
+fused implementation: the optimizer a PyTorch user would pick; DeepSpeed gets it as the client optimizer) on bf16:
+DeepSpeed and FSDP2 keep fp32 master weights, `torch` and `compile` train bf16 parameters.
+
+A group is run together: its processes warm up side by side on the GPU, then take turns at timed blocks (A B C, A B
+C, ...), so versions of one cell are interleaved while each keeps its compiled code warm. Groups hold subjects of
+about the same memory, because DeepCompile sizes its prefetching from the free device memory it sees.
+"""
+
+# name: transformers config class and sizes. Parameter counts are of the model as built (tools/bench prints them).
+MODELS = {
+    # Issue 18's host-bound model: 435 small parameter tensors (48 layers x 9, embeddings, final norm, head).
+    "many-tensor": ("LlamaConfig", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=48,
+                                        num_attention_heads=4, num_key_value_heads=4, vocab_size=32000)),
+    # Llama-style, Llama 3's vocabulary (a large embedding): about 0.55B and 1.5B parameters.
+    "llama-0.5b": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                                       num_attention_heads=16, num_key_value_heads=8, vocab_size=128256)),
+    "llama-1.5b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+    # A CPU-sized model for the tool's own tests.
+    "tiny": ("LlamaConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=128)),
+}
+
+SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z3", "fsdp2")
+# Subjects whose code is DeepSpeed's: these run once per --site; the others once.
+SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
+
+# set: (model, seq, batch, [group, ...]); a group is a list of subjects. Sited subjects expand to one process a site.
+SETS = {
+    # Issue 18: eager ZeRO's per-tensor step work on the many-tensor model.
+    "eager-many-tensor": ("many-tensor", 256, 1, [["torch", "ds-z0", "ds-z1", "ds-z2", "ds-z3"]]),
+    # Issue 18: eager ZeRO at 0.5B, seq 2048; ds-z2-oc: overlap_comm on, where the fork calls record_stream.
+    "eager-0.5b": ("llama-0.5b", 2048, 1, [["ds-z1"], ["ds-z2"], ["ds-z2-oc"], ["ds-z3"], ["torch"]]),
+    # Issue 13's default: DeepCompile against plain torch.compile, 0.5B at seq 2048.
+    "default": ("llama-0.5b", 2048, 1, [["compile"], ["dc-z1"], ["dc-z3"]]),
+    "dense-1.5b": ("llama-1.5b", 2048, 1, [["compile"], ["dc-z1"], ["dc-z3"]]),
+    "multi-gpu": ("llama-0.5b", 2048, 1, [["fsdp2"], ["dc-z3"], ["ds-z3"]]),
+    "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
+}
+
+
+def parse_sets(names):
+    """[(set name, model, seq, batch, groups)] for comma-separated set names, or ValueError naming the known ones."""
+    out = []
+    for name in [n for n in names.split(",") if n]:
+        if name not in SETS:
+            raise ValueError(f"unknown cell set {name!r}; known: {', '.join(SETS)}")
+        out.append((name, ) + SETS[name])
+    if not out:
+        raise ValueError("no cell set given")
+    return out
+
+
+def flops_per_token(n_params_no_embedding, layers, hidden, seq):
+    """Training FLOPs per token: 6 N (forward and backward of every weight matrix; N counts every parameter except
+    the input embedding table, whose lookup multiplies nothing, the output head included) plus 12 L h s for the
+    attention scores and their weighted sums (L layers, hidden size h, sequence length s; causal masking not
+    discounted), as in the PaLM paper's appendix B."""
+    return 6 * n_params_no_embedding + 12 * layers * hidden * seq

@@ -1,0 +1,227 @@
+"""One subject of tools/bench, resident: warm up, then run a timed block of steps whenever the driver asks.
+
+  python tools/bench_step.py --subject S --model M --seq N --batch B --ctl DIR --id ID [--warmup W] [--steps N]
+                             [--deadline SECONDS]
+  python tools/bench_step.py --peak --ctl DIR --id ID      the bf16 matrix-multiply rate of this GPU, then exit
+
+Protocol (files in DIR, written by rank 0): ID.ready after the warm-up (JSON), then for each DIR/ID.go.K the driver
+writes, ID.res.K (JSON: the seconds of each step of the block, peak memory during it); DIR/ID.stop ends the process.
+Started under torchrun for several GPUs (every rank polls the same files). Past --deadline seconds the process
+prints every thread's Python stack and exits (faulthandler), so a hang is a failure with its stacks, never a stall.
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cells import MODELS, flops_per_token  # noqa: E402
+
+POLL_S = 0.002
+
+
+def write(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def wait_for(paths):
+    while True:
+        for p in paths:
+            if os.path.exists(p):
+                return p
+        time.sleep(POLL_S)
+
+
+def device():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sync(dev):
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def matmul_peak(dev):
+    """bf16 TFLOP/s of an 8192^3 matrix product (the mean of 10 after 3 warm-ups; 512^3 on a CPU)."""
+    import torch
+    n = 8192 if dev.type == "cuda" else 512
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(dev)
+    start = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync(dev)
+    return 2 * n**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def build_model(name):
+    import torch
+    import transformers
+    cls, sizes = MODELS[name]
+    config = getattr(transformers, cls)(**sizes, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    n_all = sum(p.numel() for p in model.parameters())
+    n_embed = model.get_input_embeddings().weight.numel()
+    shape = (config.num_hidden_layers, config.hidden_size)
+    return model, n_all, n_embed, shape
+
+
+def ds_config(stage, deepcompile, overlap_comm, micro_batch):
+    zero = {"stage": stage}
+    if stage in (1, 2):
+        zero["overlap_comm"] = overlap_comm
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+            "wall_clock_breakdown": False, **({"compile": {"deepcompile": True}} if deepcompile else {})}
+
+
+def make_step(subject, model, dev, batch):
+    """A function running one training step of `subject` on `model`; the engine, if any."""
+    import torch
+    fused = dict(fused=True) if dev.type == "cuda" else {}
+    ids = batch
+    if subject in ("torch", "compile"):
+        model = model.to(dev, torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
+        fwd = torch.compile(model) if subject == "compile" else model
+
+        def step():
+            fwd(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step, None
+    if subject == "fsdp2":
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = model.to(dev)
+        for layer in model.model.layers:
+            layer.compile()
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step, None
+    import deepspeed
+    kind, stage = subject.split("-")[:2]
+    cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    if kind == "dc":
+        engine.compile()
+
+    def step():
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+
+    return step, engine
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--subject")
+    ap.add_argument("--model")
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ctl", required=True)
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--deadline", type=float, default=540)
+    ap.add_argument("--peak", action="store_true")
+    args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    rank = int(os.environ.get("RANK", "0"))
+    base = os.path.join(args.ctl, args.id)
+    try:
+        import torch
+        dev = device()
+        if args.peak:
+            write(base + ".ready", {"peak_tflops": matmul_peak(dev)})
+            return
+        import transformers
+        model, n_all, n_embed, (layers, hidden) = build_model(args.model)
+        torch.manual_seed(1)
+        ids = torch.randint(3, model.config.vocab_size, (args.batch, args.seq), device=dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        step, _ = make_step(args.subject, model, dev, ids)
+        t0 = time.perf_counter()
+        step()
+        sync(dev)
+        first = time.perf_counter() - t0
+        for _ in range(args.warmup - 1):
+            step()
+        sync(dev)
+        warm = time.perf_counter() - t0
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        info = {"first_step_s": first, "warmup_s": warm, "warmup_steps": args.warmup, "params": n_all,
+                "flops_per_step": flops_per_token(n_all - n_embed, layers, hidden, args.seq) * args.batch * args.seq,
+                "tokens_per_step": args.batch * args.seq * world, "world_size": world,
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+        try:
+            import deepspeed
+            info["deepspeed"] = deepspeed.__version__
+            info["deepspeed_file"] = deepspeed.__file__
+        except ImportError:
+            pass
+        if dev.type == "cuda":
+            info["peak_allocated"] = torch.cuda.max_memory_allocated(dev)
+            info["peak_reserved"] = torch.cuda.max_memory_reserved(dev)
+        if rank == 0:
+            write(base + ".ready", info)
+        k = 0
+        while True:
+            got = wait_for([f"{base}.go.{k}", base + ".stop"])
+            if got.endswith(".stop"):
+                break
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            times = []
+            sync(dev)
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                step()
+                sync(dev)
+                times.append(time.perf_counter() - t)
+            res = {"step_s": times}
+            if dev.type == "cuda":
+                res["peak_allocated"] = torch.cuda.max_memory_allocated(dev)
+                res["peak_reserved"] = torch.cuda.max_memory_reserved(dev)
+            if rank == 0:
+                write(f"{base}.res.{k}", res)
+            k += 1
+    except BaseException as exc:  # the driver reads the error instead of waiting for a file that never comes
+        import traceback
+        if rank == 0:
+            write(base + ".error", {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+        raise
+
+
+if __name__ == "__main__":
+    main()
