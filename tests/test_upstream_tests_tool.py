@@ -461,3 +461,229 @@ def test_outcome_of_reports():
     assert cli.outcome([rep("setup", "passed"), rep("call", "skipped", True, "x")]) == ("xfailed", "x")
     assert cli.outcome([rep("setup", "skipped", message="no GPU")]) == ("skipped", "no GPU")
     assert cli.outcome([rep("call", "passed"), rep("teardown", "failed", message="E")]) == ("failed", "teardown: E")
+
+
+# --- the ledger (tools/upstream_tests/ledger.py) ------------------------------------------------------------
+
+from upstream_tests import ledger, plugin  # noqa: E402
+
+SHARDS = [["unit/a.py::t1", "unit/a.py::t2"], ["unit/b.py::t1"], ["unit/c.py::t1", "unit/c.py::t2"], ["unit/d.py::t"]]
+
+
+def _ledger():
+    led = ledger.new("c0ffee" * 6 + "c0ff", "ab" * 32)
+    ledger.add_matrix(led, "gpu-zero", SHARDS, {"date": "2026-11-25"})
+    return led
+
+
+def _shard_summary(led, target, k, outcomes, matrix="gpu-zero"):
+    """What a ledger run writes for one shard: outcomes {node id: (outcome, verdict, message)}."""
+    rows = [{"nodeid": nid, "outcome": o, "verdict": v, "message": m, "reason": "", "seconds": 3.0}
+            for nid, (o, v, m) in sorted(outcomes.items())]
+    return {"ledger": ledger.stamp(led, matrix, target, k), "tests": rows, "stale": [], "unplanned": [],
+            "host": "2x NVIDIA H100 80GB HBM3", "date": "2026-11-26", "seconds": 111, "workers": 4,
+            "info": {"deepspeed": "0.19.8+fork.8" if target == "fork" else "0.19.8", "torch": "2.11.0+cu130"}}
+
+
+def _write_json(path, value):
+    _write(str(path), json.dumps(value))
+
+
+def test_resume_runs_only_shards_without_a_complete_result():
+    led = _ledger()
+    assert ledger.pending(led, "gpu-zero", "fork") == [1, 2, 3, 4]
+    assert ledger.pending(led, "gpu-zero", "upstream") == []  # upstream waits for the fork's results
+    ledger.record(led, [
+        ("s1", _shard_summary(led, "fork", 1, {n: ("passed", "passed", "") for n in SHARDS[0]})),
+        ("s2", _shard_summary(led, "fork", 2, {"unit/b.py::t1": ("failed", "failed", "no result: the wall-clock "
+                                                                  "limit killed the run")})),
+        ("s3", _shard_summary(led, "fork", 3, {"unit/c.py::t1": ("failed", "xfailed", "E: listed"),
+                                               "unit/c.py::t2": ("failed", "failed", "E: new")}))])
+    states = {k: r["state"] for k, r in led["matrices"]["gpu-zero"]["results"]["fork"].items()}
+    assert states == {"1": "passed", "2": "incomplete", "3": "failed"}
+    assert ledger.pending(led, "gpu-zero", "fork") == [2, 4]
+    # upstream 0.19.8 runs only what the fork failed: shard 3's two tests, nothing of shards 1 and 2
+    assert ledger.pending(led, "gpu-zero", "upstream") == [3]
+    assert ledger.selection(led, "gpu-zero", "upstream", 3) == ["unit/c.py::t1", "unit/c.py::t2"]
+    assert ledger.selection(led, "gpu-zero", "upstream", 1) is None
+    assert ledger.fork_failures(led, "gpu-zero") == ["unit/c.py::t1", "unit/c.py::t2"]
+    # an incomplete rerun never replaces a complete result
+    what = ledger.record(led, [("again", _shard_summary(led, "fork", 1, {
+        "unit/a.py::t1": ("passed", "passed", ""), "unit/a.py::t2": ("failed", "failed", "no result: killed")}))])
+    assert what == [("gpu-zero", "fork", 1, "kept the earlier passed result (incomplete run)")]
+    assert led["matrices"]["gpu-zero"]["results"]["fork"]["1"]["state"] == "passed"
+
+
+def test_recording_a_summary_changes_exactly_that_shard(tmp_path):
+    path = tmp_path / "ledger.json"
+    led = _ledger()
+    ledger.save(str(path), led)
+    before = ledger.load(str(path))
+    summary = _shard_summary(led, "fork", 2, {"unit/b.py::t1": ("failed", "failed", "RuntimeError: NCCL")})
+    _write_json(tmp_path / "runs" / "fork-gpu-zero-2.json", summary)
+    _write(str(tmp_path / "runs" / "build-fork.log"), "not a summary\n")
+    res = subprocess.run([sys.executable, TOOL, "--ledger", str(path), "--record", str(tmp_path / "runs")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "gpu-zero fork shard 2: failed" in res.stdout
+    after = ledger.load(str(path))
+    result = after["matrices"]["gpu-zero"]["results"].pop("fork")
+    before["matrices"]["gpu-zero"]["results"].pop("fork", None)
+    assert after == before  # nothing else moved
+    assert list(result) == ["2"]
+    r = result["2"]
+    assert (r["state"], r["passed"], r["failed"], r["xfailed"], r["skipped"]) == ("failed", 0, 1, 0, 0)
+    assert (r["host"], r["date"], r["seconds"], r["deepspeed"], r["workers"]) == (
+        "2x NVIDIA H100 80GB HBM3", "2026-11-26", 111, "0.19.8+fork.8", 4)
+    assert r["failures"] == [["unit/b.py::t1", "failed", "RuntimeError: NCCL"]]
+    with open(path) as f:
+        text = f.read()
+    assert '       ["unit/b.py::t1", "failed", "RuntimeError: NCCL"]\n' in text  # one failure per line
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda s: s["ledger"].update(sharding="0123456789abcdef"), "belongs to sharding 0123456789abcdef"),
+    (lambda s: s["ledger"].update(checkout="edaa722"), "ran the tests of checkout edaa722"),
+    (lambda s: s["ledger"].update(shard=9), "shard 9 is not one of the ledger's 4"),
+    (lambda s: s["tests"].append(dict(s["tests"][0], nodeid="unit/x.py::t")), "not those of fork shard 2"),
+    (lambda s: s.pop("ledger"), "not a ledger shard's summary")])
+def test_a_summary_of_another_sharding_is_refused(tmp_path, change, message):
+    path = tmp_path / "ledger.json"
+    led = _ledger()
+    ledger.save(str(path), led)
+    with open(path, "rb") as f:
+        before = f.read()
+    good = _shard_summary(led, "fork", 1, {n: ("passed", "passed", "") for n in SHARDS[0]})
+    bad = _shard_summary(led, "fork", 2, {"unit/b.py::t1": ("passed", "passed", "")})
+    change(bad)
+    _write_json(tmp_path / "good.json", good)
+    _write_json(tmp_path / "bad.json", bad)
+    res = subprocess.run([sys.executable, TOOL, "--ledger", str(path), "--record", str(tmp_path / "good.json"),
+                          str(tmp_path / "bad.json")], capture_output=True, text=True)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    with open(path, "rb") as f:
+        assert f.read() == before  # all or nothing: the good summary is not recorded either
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda text: text[:len(text) // 2], "not valid JSON"),
+    (lambda text: text.replace('"unit/b.py::t1"', '"unit/b.py::t9"'), "'sharding' does not match its shards"),
+    (lambda text: text.replace('"format": 1', '"format": 7'), "not a ledger of format 1")])
+def test_a_corrupt_ledger_is_reported_and_left_alone(tmp_path, corrupt, message):
+    path = tmp_path / "ledger.json"
+    led = _ledger()
+    ledger.save(str(path), led)
+    with open(path) as f:
+        text = corrupt(f.read())
+    _write(str(path), text)
+    _write_json(tmp_path / "s.json", _shard_summary(led, "fork", 2, {"unit/b.py::t1": ("passed", "passed", "")}))
+    for args in (["--record", str(tmp_path / "s.json")], ["--status"]):
+        res = subprocess.run([sys.executable, TOOL, "--ledger", str(path)] + args, capture_output=True, text=True)
+        assert res.returncode == 2 and message in res.stderr and "left as it is" in res.stderr, res.stderr
+        with open(path) as f:
+            assert f.read() == text
+
+
+def test_ledger_runs_resume_from_the_recorded_shards(fake):
+    path, runs = fake / "ledger.json", fake / "runs"
+    res, _ = run_tool(fake, "--ledger", str(path), "--init", "3")
+    assert "a new ledger needs --commit" in res.stderr and res.returncode == 2
+    res, _ = run_tool(fake, "--ledger", str(path), "--init", "3", "--commit", "f" * 40)
+    assert res.returncode == 0, res.stdout + res.stderr
+    led = ledger.load(str(path))
+    shards = led["matrices"]["cpu"]["shards"]
+    assert len(shards) == 3 and sorted(sum(shards, [])) == ALL_IDS  # 9 node ids of 1 s each, 3 s a shard
+    res, _ = run_tool(fake, "--ledger", str(path), "--next", "1", "--summary-dir", str(runs))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert os.listdir(runs) == ["fork-cpu-1.json"]
+    rec = subprocess.run([sys.executable, TOOL, "--ledger", str(path), "--record", str(runs)], capture_output=True,
+                         text=True)
+    assert rec.returncode == 0 and "cpu fork shard 1: passed" in rec.stdout, rec.stdout + rec.stderr
+    os.remove(runs / "fork-cpu-1.json")
+    res, _ = run_tool(fake, "--ledger", str(path), "--next", "5", "--summary-dir", str(runs))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "fork has 2 of 3 shards without a result; running [2, 3]" in res.stdout
+    assert sorted(os.listdir(runs)) == ["fork-cpu-2.json", "fork-cpu-3.json"]
+    with open(runs / "fork-cpu-3.json") as f:
+        summary = json.load(f)
+    assert sorted(r["nodeid"] for r in summary["tests"]) == shards[2]
+    assert summary["ledger"]["shard"] == 3 and summary["ledger"]["sharding"] == led["matrices"]["cpu"]["sharding"]
+    # other tests than the ledger's: refused before anything runs
+    _write(str(fake / "checkout" / "tests" / "unit" / "test_new.py"), "def test_n():\n    pass\n")
+    res, _ = run_tool(fake, "--ledger", str(path), "--next", "1")
+    assert res.returncode == 2 and "is not the tests/ the ledger's shards were cut from" in res.stderr
+
+
+# --- master ports: one range per xdist worker -------------------------------------------------------------------
+
+
+def test_master_port_ranges_of_workers_are_disjoint(monkeypatch):
+    ranges = [set(plugin.port_range(plugin.worker_index(f"gw{w}"), 20000)) for w in range(16)]
+    assert all(not (a & b) for i, a in enumerate(ranges) for b in ranges[i + 1:])
+    assert min(ranges[0]) == 20000 and max(ranges[15]) == 20000 + 16 * plugin.PORT_SPAN - 1 < 32768
+    assert plugin.worker_index("") == 0 and plugin.worker_index("gw7") == 7
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        port = busy.getsockname()[1]
+        monkeypatch.setenv("DS_UT_PORT_BASE", str(port))
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+        assert int(plugin.master_port()) == port + 1  # the bound port is skipped
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
+        assert int(plugin.master_port()) == port + 2 * plugin.PORT_SPAN
+
+
+COMMON = """\
+def get_master_port(base_port=29500, port_range_size=1000):
+    return "29500"  # every worker the same port
+"""
+PORT_TESTS = """\
+import os
+import pytest
+from unit import common
+from unit.common import get_master_port
+
+
+@pytest.mark.parametrize("k", range(6))
+def test_port(k):
+    with open(os.path.join(os.environ["PORT_LOG"], f"{k}.txt"), "w") as f:
+        f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', '-')} {common.get_master_port()} {get_master_port()}")
+"""
+
+
+def test_each_xdist_worker_takes_ports_from_its_own_range(fake, monkeypatch):
+    pytest.importorskip("xdist")
+    tests = fake / "checkout" / "tests"
+    _write(str(tests / "unit" / "__init__.py"), "")
+    _write(str(tests / "unit" / "common.py"), COMMON)
+    _write(str(tests / "unit" / "test_ports.py"), PORT_TESTS)
+    os.remove(tests / "unit" / "test_broken.py")
+    monkeypatch.setenv("PORT_LOG", str(fake / "ports"))
+    os.makedirs(fake / "ports")
+    res, summary = run_tool(fake, "--only", "test_ports", "--workers", "2", "--port-base", "23000", expected=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert summary["counts"]["passed"] == 6
+    seen = {}
+    for name in os.listdir(fake / "ports"):
+        with open(fake / "ports" / name) as f:
+            worker, port, imported = f.read().split()
+        assert port == imported  # the module-level import is replaced too
+        seen.setdefault(worker, set()).add(int(port))
+    assert set(seen) == {"gw0", "gw1"}, seen
+    assert all(23000 <= p < 23000 + plugin.PORT_SPAN for p in seen["gw0"])
+    assert all(23000 + plugin.PORT_SPAN <= p < 23000 + 2 * plugin.PORT_SPAN for p in seen["gw1"])
+
+
+@pytest.mark.parametrize("run_limit_first,message", [
+    (True, "no result: the wall-clock limit killed the run"),
+    (False, f"killed after {cli.LAUNCH_TIMEOUT} s"),
+])
+def test_launched_script_cut_by_the_run_limit_has_no_result(monkeypatch, tmp_path, run_limit_first, message):
+    """The first ledger shard on 2xH100 recorded a launcher script killed by the run's wall-clock budget as a failure
+    of the script: a cut-off run says nothing about it, so the shard must stay incomplete, not failed."""
+    monkeypatch.setattr(cli, "run_logged", lambda *a, **k: (-9, True))
+    now = cli.time.time()
+    deadline = now + (60 if run_limit_first else 10 * cli.LAUNCH_TIMEOUT)
+    outcome, got, _ = cli.run_launched("torch_compile/test_compile.py::launcher[ds_config_z2.json]", str(tmp_path),
+                                       {}, 2, str(tmp_path), deadline)
+    assert (outcome, got) == ("failed", message)

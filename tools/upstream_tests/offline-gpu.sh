@@ -6,7 +6,11 @@
 # TARGET: fork (the fork's wheel) or up (upstream's 0.19.8 wheel). For each, in this order: installs the wheel
 # with `pip --target`, JIT-builds the ops the GPU matrices load (DeepCompile, FusedAdam, CPUAdam; all targets
 # at once, before any test runs), then runs `tools/upstream-tests UT_TESTS TOOL_ARGS --deepspeed-path ...
-# --wall-timeout WALL_SECONDS --out $OUT/TARGET` and prints its summary. Exit status: the worst of the runs.
+# --wall-timeout WALL_SECONDS --out UT_OUTDIR/TARGET --summary-dir $OUT` and prints its summary. Exit status:
+# the worst of the runs. WALL_SECONDS written @S is a budget for the whole script: each run's wall-clock limit
+# is then S less the seconds spent so far (installs, op builds, earlier targets), so it ends within S.
+# UT_OUTDIR (default $OUT): where each run's full output directory goes; a GPU loan returns at most 8 files of
+# $OUT, so ledger runs (--ledger) put it elsewhere and keep in $OUT only the logs and one summary per shard.
 # What it uses, by default from one directory UT_CARRY (.upstream-tests/gpu-carry, git-ignored):
 #   UT_CARRY/tests/            upstream's tests/ (UT_TESTS)
 #   UT_CARRY/wheels/fork/      the fork's wheel (UT_FORK)
@@ -20,6 +24,7 @@ set -u
 targets=$1 wall=$2
 shift 2
 OUT=${OUT:-/tmp/upstream-tests-out}
+UT_OUTDIR=${UT_OUTDIR:-$OUT}
 UT_CARRY=${UT_CARRY:-.upstream-tests/gpu-carry}
 UT_TESTS=${UT_TESTS:-$UT_CARRY/tests}
 UT_FORK=${UT_FORK:-$(echo "$UT_CARRY"/wheels/fork/deepspeed-*.whl)}
@@ -67,11 +72,14 @@ stamp "ops built"
 
 worst=0
 for t in $targets; do
-  tool "$t" --wall-timeout "$wall" --out "$OUT/$t" "$@" > "$OUT/log-$t.txt" 2>&1
+  limit=$wall
+  [ "${wall#@}" != "$wall" ] && limit=$(( ${wall#@} - $(date +%s) + T0 ))
+  [ "$limit" -lt 60 ] && { stamp "$t: not run, ${limit} s left of $wall"; worst=2; continue; }
+  tool "$t" --wall-timeout "$limit" --out "$UT_OUTDIR/$t" --summary-dir "$OUT" "$@" > "$OUT/log-$t.txt" 2>&1
   rc=$?
   [ $rc -gt $worst ] && worst=$rc
   stamp "$t: exit $rc"
-  grep -m1 '^upstream-tests: matrix' "$OUT/log-$t.txt"
-  sed -n '/^=== upstream-tests/,$p' "$OUT/log-$t.txt"
+  grep -h -e '^upstream-tests: matrix' -e 'not started' -e '^upstream-tests: error' "$OUT/log-$t.txt"
+  sed -n '/^=== upstream-tests/,/result: /p' "$OUT/log-$t.txt"
 done
 exit $worst

@@ -8,17 +8,61 @@ Inert unless DS_UT_STATE is set. Then it
     (methods of a subclass of upstream's DistributedTest/DistributedExec: they spawn one process per rank),
     the collection errors and what is under test (deepspeed, torch, GPUs) to DS_UT_STATE as JSON;
   * run mode: keeps only the node ids listed in the file DS_UT_SELECT and appends each test report to
-    DS_UT_STATE as a JSON line (on the xdist controller, or the only process).
+    DS_UT_STATE as a JSON line (on the xdist controller, or the only process);
+  * gives every pytest process its own master ports: upstream's tests/unit/common.py picks the port of a
+    distributed test's process group with get_master_port(); once the test modules are imported, that
+    function (wherever a module holds it) is replaced by master_port(), which takes the first free port of
+    the xdist worker's own range, DS_UT_PORT_BASE + W * PORT_SPAN and the PORT_SPAN ports above (worker gwW;
+    W = 0 without xdist). The ranges of different workers never meet, whatever the checkout's own
+    get_master_port does (docs/upstream-tests.md, "Several tests at once").
 """
 
 import json
 import os
+import socket
 import sys
 
 import pytest
 
 _errors = []
 _config = []
+PORT_SPAN = 500  # ports per xdist worker
+
+
+def worker_index(name=None):
+    """W of xdist worker gwW (PYTEST_XDIST_WORKER), 0 without xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "") if name is None else name
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
+def port_range(worker, base, span=PORT_SPAN):
+    return range(base + worker * span, base + (worker + 1) * span)
+
+
+def master_port(base_port=None, port_range_size=None):
+    """The first port of this process's range that nothing is bound to (the arguments are upstream's, ignored)."""
+    base = int(os.environ.get("DS_UT_PORT_BASE") or 20000)
+    for port in port_range(worker_index(), base):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+        return str(port)
+    raise OSError(f"no free port in {port_range(worker_index(), base)}")
+
+
+def _own_the_master_port():
+    """Replace upstream's get_master_port in every loaded module that holds it (unit.common and importers)."""
+    original = getattr(sys.modules.get("unit.common"), "get_master_port", None)
+    if original is None:
+        return 0
+    patched = 0
+    for module in list(sys.modules.values()):
+        if getattr(module, "get_master_port", None) is original:
+            module.get_master_port = master_port
+            patched += 1
+    return patched
 
 
 def _on():
@@ -63,11 +107,13 @@ def pytest_collection_finish(session):
     if not _on():
         return
     deepspeed = _check_deepspeed()
+    _own_the_master_port()
     if os.environ.get("DS_UT_MODE") == "collect":
         torch = sys.modules.get("torch")  # upstream's conftest.py imports it
+        gpus = torch.cuda.device_count() if torch and torch.cuda.is_available() else 0
         info = {"deepspeed": deepspeed.__version__, "deepspeed_dir": os.path.dirname(deepspeed.__file__),
-                "torch": getattr(torch, "__version__", None),
-                "gpus": torch.cuda.device_count() if torch and torch.cuda.is_available() else 0}
+                "torch": getattr(torch, "__version__", None), "gpus": gpus,
+                "gpu_name": torch.cuda.get_device_name(0) if gpus else None}
         with open(os.environ["DS_UT_STATE"], "w") as f:
             items = [i.nodeid for i in session.items]
             distributed = [i.nodeid for i in session.items if _distributed(i)]
