@@ -14,12 +14,16 @@ once warm; the resumed engine's losses equal the uninterrupted ones; greedy gene
 
 GPU_TEST_REPORT_DIR keeps every cell's JSON report and the summary zoo-<deepspeed version>.json that
 tools/zoo-table renders for docs/model-zoo.md. ZOO_REPLAY=<that summary> applies the checks to a recorded run
-instead of running the cells (any host).
+instead of running the cells (any host); several summaries joined by ':' are merged, a later one's cells replacing
+an earlier one's. ZOO_CELLS=<regular expression> runs only the cells whose key (kind/model/stage/mode, e.g.
+cell/llama_ckpt/3/deepcompile or cell/qwen2_moe/1,2,3/eager) it matches, with the resumes of those that qualify: a
+second run for the cells a first one could not finish, replayed together with it.
 """
 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -56,6 +60,10 @@ def _cells():
         # The eager references compile nothing: one process runs the three stages in turn.
         cells += [("cell", model, EAGER_STAGES, "eager"), ("cell", model, 1, "compile")]
     cells += [("trainer", "llama", stage, mode) for stage in TRAINER_STAGES for mode in ("deepcompile", "eager")]
+    only = os.environ.get("ZOO_CELLS")
+    if only:
+        cells = [c for c in cells if re.search(only, "/".join(map(str, c)))]
+        assert cells, f"ZOO_CELLS={only!r} matches no cell"
     # Longest first: DeepCompile ZeRO-3 (activation checkpointing compiles the most graphs) and the Trainer; then the
     # spread cells, which every loss check needs, before the quick eager ones.
     return sorted(cells, key=lambda c: (c[3] != "deepcompile", -max(map(int, str(c[2]).split(","))), "ckpt" not in c[1],
@@ -124,9 +132,11 @@ def _summaries(key, res):
 def zoo():
     replay = os.environ.get("ZOO_REPLAY")
     if replay:
-        # The checks applied to a recorded run (its zoo-<version>.json), on any host: the cells do not run again.
-        with open(replay) as f:
-            cells = json.load(f)["cells"]
+        # The checks applied to recorded runs (their zoo-<version>.json), on any host: the cells do not run again.
+        cells = {}
+        for path in replay.split(":"):
+            with open(path) as f:
+                cells.update(json.load(f)["cells"])
         return {(kind, model, int(stage), mode): res
                 for (kind, model, stage, mode), res in ((k.split("/"), v) for k, v in cells.items())}
     reason = skip_reason(1)
