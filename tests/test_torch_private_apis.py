@@ -89,3 +89,42 @@ def test_missing_frame_strategy_interface_is_reported_once():
         assert len(lines) == 1, said.getvalue()
         assert "set_code_exec_strategy" in lines[0] and "'weight' must be 2-D" in lines[0], lines[0]
     """)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_multi_tensor_non_finite_check_finds_every_kind_and_changes_nothing(dtype):
+    """zero12-overflow-check-in-one-multi-tensor-pass calls torch._amp_foreach_non_finite_check_and_unscale_ with an
+    inverse scale of 1 as a read-only check: it must flag inf, -inf and NaN in any tensor of the list, flag nothing
+    in finite ones, and leave every value's bits as they were. (Where it raises NotImplementedError the patch warns
+    and checks tensor by tensor: tests/test_zero_step_per_tensor_work.py.)"""
+    run(f"""
+        import torch
+        check = torch._amp_foreach_non_finite_check_and_unscale_
+        def flagged(tensors):
+            found, before = torch.zeros(1), [t.clone() for t in tensors]
+            check(tensors, found, torch.ones(1))
+            assert all(torch.equal(a.view(torch.int8), b.view(torch.int8)) for a, b in zip(tensors, before))
+            return found.item()
+        g = torch.Generator().manual_seed(0)
+        make = lambda: [torch.randn(n, generator=g).to(torch.{dtype}) for n in (3, 1000, 17)]
+        assert flagged(make()) == 0
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            for i in range(3):
+                tensors = make()
+                tensors[i][-1] = bad
+                assert flagged(tensors) == 1, (bad, i)
+    """)
+
+
+def test_multi_tensor_norm_accumulates_in_the_dtype_asked():
+    """zero-grad-norm-in-one-multi-tensor-pass takes the gradient norms with torch._foreach_norm(grads, 2,
+    dtype=torch.float64): norms in fp64 of bf16 and fp32 tensors, equal to each tensor's own fp64 norm."""
+    run("""
+        import torch
+        g = torch.Generator().manual_seed(0)
+        tensors = [torch.randn(n, generator=g).to(dt) * 1e3 for n, dt in ((5, torch.bfloat16), (4099, torch.float32))]
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+        assert all(n.dtype == torch.float64 for n in norms)
+        for n, t in zip(norms, tensors):
+            assert torch.allclose(n, t.double().norm(), rtol=1e-12), (n, t.double().norm())
+    """)
