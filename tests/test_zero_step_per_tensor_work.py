@@ -56,7 +56,7 @@ def small(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def large(tmp_path_factory):
-    return run_worker(tmp_path_factory, LARGE, ["z1_clip", "z2_clip", "z3_clip"])
+    return run_worker(tmp_path_factory, LARGE, ["z0_clip", "z1_clip", "z2_clip", "z3_clip"])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -69,7 +69,7 @@ def test_a_non_finite_gradient_anywhere_skips_the_step(small, case):
     assert rec["skipped"] is (injection is not None), rec
 
 
-@pytest.mark.parametrize("case", ["z1_clip", "z2_clip", "z3_clip"])
+@pytest.mark.parametrize("case", ["z0_clip", "z1_clip", "z2_clip", "z3_clip"])
 def test_the_gradient_norm_is_that_of_the_gradients(small, case):
     """The global norm the optimizer computed equals the norm of the same step's gradients without DeepSpeed,
     accumulated in fp64; ZeRO-1/2 round the sum of squares to fp32 before the root (as 0.19.8 does), hence the
@@ -87,6 +87,16 @@ def test_the_step_checks_dispatch_no_op_per_tensor(small, large, case):
     assert small[case]["ops"]["get_grad_norm_direct"] > 0, "the norm was not computed"
     if case != "z3_clip":
         assert small[case]["ops"]["has_overflow_partitioned_grads_serial"] > 0, "the overflow check did not run"
+
+
+def test_zero0_overflow_check_is_one_pass_and_one_host_read(small, large):
+    """ZeRO-0's mixed-precision optimizers check overflow with CheckOverflow.has_overflow_serial, which in 0.19.8
+    runs has_inf_or_nan on each gradient and reads each result back to the host (14 ops and one device
+    synchronization per tensor). Now: as many ops for 48 tensors as for 24, and one read."""
+    assert small["z0_clip"]["optimizer"] == "FP16_UnfusedOptimizer", small["z0_clip"]
+    ops = [rec["z0_clip"]["ops"]["has_overflow_serial"] for rec in (small, large)]
+    assert ops[0] == ops[1] > 0, ops
+    assert small["z0_clip"]["host_reads"]["has_overflow_serial"] == 1, small["z0_clip"]
 
 
 def run_utils(code):

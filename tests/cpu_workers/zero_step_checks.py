@@ -1,6 +1,7 @@
-"""Worker for tests/test_zero_fused_overflow_check.py: the overflow check of eager ZeRO-1/2's step, on CPU.
+"""Worker for tests/test_zero_step_per_tensor_work.py: the overflow check and norm of eager ZeRO-0/1/2/3's step, on CPU.
 
-One process, world size 1, gloo, DS_ACCELERATOR=cpu: the real engine and DeepSpeedZeroOptimizer, bf16 with
+One process, world size 1, gloo, DS_ACCELERATOR=cpu: the real engine and its optimizer (ZeRO-0: the mixed-precision
+FP16_UnfusedOptimizer, whose CheckOverflow serves bf16 and fp16 without ZeRO), bf16 with
 `check_grad_overflow` (the CPU accelerator has no fp16; bf16 with the check on takes the same path as fp16: a
 non-finite gradient anywhere skips the step). The model is a stack of small Linear layers, so the optimizer holds
 many small gradient tensors, the case where per-tensor work costs the most.
@@ -31,6 +32,11 @@ BATCH = 4
 # element, value), negative indices counted from the end as in Python. With gradient_clipping the optimizer
 # computes the global gradient norm (clipping at 1e-3 is active on every clean step of this model).
 CASES = {
+    "z0_clean": (0, None, 0.0),
+    "z0_inf_first_tensor": (0, (0, 0, math.inf), 0.0),
+    "z0_nan_middle_tensor": (0, (LAYERS, 5, math.nan), 0.0),
+    "z0_neg_inf_last_element": (0, (-1, -1, -math.inf), 0.0),
+    "z0_clip": (0, None, 1e-3),
     "z1_clean": (1, None, 0.0),
     "z2_clean": (2, None, 0.0),
     "z1_inf_first_tensor": (1, (0, 0, math.inf), 0.0),
@@ -55,10 +61,12 @@ class CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.reads = 0
         self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.reads += func is torch.ops.aten._local_scalar_dense.default  # a value read back to the host
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out, ):
             if isinstance(t, torch.Tensor):
@@ -110,15 +118,17 @@ def run_case(name):
                                                    optimizer=torch.optim.SGD(params, lr=0.1),
                                                    config=config)
     counters = {}
-    for method in COUNTED:
-        if hasattr(optimizer, method):
+    # ZeRO-0's mixed-precision optimizers check overflow through their CheckOverflow object.
+    checker = getattr(optimizer, "overflow_checker", None)
+    for owner, method in [(optimizer, m) for m in COUNTED] + [(checker, "has_overflow_serial")]:
+        if owner is not None and hasattr(owner, method):
             counters[method] = counter = CountOps()
 
-            def counted(*args, _call=getattr(optimizer, method), _counter=counter, **kwargs):
+            def counted(*args, _call=getattr(owner, method), _counter=counter, **kwargs):
                 with _counter:
                     return _call(*args, **kwargs)
 
-            setattr(optimizer, method, counted)
+            setattr(owner, method, counted)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         before = [p.detach().clone() for p in engine.module.parameters()]
     torch.manual_seed(1)
@@ -134,10 +144,12 @@ def run_case(name):
     norm = engine.get_global_grad_norm()
     return {
         "tensors": len(params),
+        "optimizer": type(optimizer).__name__,
         "overflow": bool(optimizer.overflow),
         "zero3_check": direct_check,
         "skipped": all(torch.equal(a, b) for a, b in zip(before, after)),
         "ops": {method: counter.count for method, counter in counters.items()},
+        "host_reads": {method: counter.reads for method, counter in counters.items()},
         "largest_bytes": {method: counter.largest for method, counter in counters.items()},
         "grad_norm": None if norm is None else float(norm),
         "reference_grad_norm": reference_grad_norm(injection) if clipping and injection is None else None,
