@@ -128,17 +128,22 @@ def _summaries(key, res):
     return out
 
 
+def _replayed(paths):
+    """The cells of recorded runs (their zoo-<version>.json, joined by ':'; a later run's cell replaces an earlier
+    one's), keyed as the checks look them up: the checks applied on any host, the cells not run again."""
+    cells = {}
+    for path in paths.split(":"):
+        with open(path) as f:
+            cells.update(json.load(f)["cells"])
+    return {(kind, model, int(stage), mode): res
+            for (kind, model, stage, mode), res in ((k.split("/"), v) for k, v in cells.items())}
+
+
 @pytest.fixture(scope="module")
 def zoo():
     replay = os.environ.get("ZOO_REPLAY")
     if replay:
-        # The checks applied to recorded runs (their zoo-<version>.json), on any host: the cells do not run again.
-        cells = {}
-        for path in replay.split(":"):
-            with open(path) as f:
-                cells.update(json.load(f)["cells"])
-        return {(kind, model, int(stage), mode): res
-                for (kind, model, stage, mode), res in ((k.split("/"), v) for k, v in cells.items())}
+        return _replayed(replay)
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
