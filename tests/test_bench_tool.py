@@ -29,7 +29,7 @@ def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
     pytest.importorskip("transformers")
     # A fresh host JIT-builds DeepSpeed's CPU communication op in the first engine: a deadline with room for it.
     proc = bench("--sets", "tiny", "--repeats", "2", "--steps", "3", "--warmup", "2", "--group-deadline-s", "900",
-                 "--budget-s", "1000", "--out", str(tmp_path), timeout=1200)
+                 "--budget-s", "1000", "--profile", "ds-z1", "--out", str(tmp_path), timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     with open(tmp_path / "bench.json") as f:
         data = json.load(f)
@@ -42,12 +42,21 @@ def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
     ds = [r for r in data["rows"] if r["subject"].startswith("ds-")]
     assert all("+fork." in r["deepspeed"] for r in ds), [r.get("deepspeed") for r in ds]
     assert "| tiny | ds-z3 |" in (tmp_path / "bench.md").read_text()
+    # --profile: the named subject only, a trace, and its time split by category (on a CPU: aten ops' own time)
+    profiled = {r["subject"]: r["profile"] for r in data["rows"] if "profile" in r}
+    assert list(profiled) == ["ds-z1"], list(profiled)
+    prof = profiled["ds-z1"]
+    assert prof["wall_ms"] > 0 and prof["host_aten_ops"] > 0 and prof["device_ms"].get("matmul", 0) > 0, prof
+    assert sum(prof["device_ms"].values()) <= prof["wall_ms"] * 1.05, prof
+    with open(tmp_path / "traces" / "tiny.ds-z1.here.json") as f:
+        assert json.load(f)["traceEvents"], "empty trace"
 
 
 @pytest.mark.parametrize("args,message", [
     (["--sets", "nope"], "unknown cell set 'nope'"),
     (["--site", "x=/nonexistent"], "--site x=/nonexistent: want LABEL=DIR"),
     (["--repeats", "0"], "must be at least 1"),
+    (["--profile", "ds-z9"], "--profile ds-z9: not a subject"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
     proc = bench(*args, "--out", str(tmp_path / "out"), timeout=60)

@@ -5,7 +5,8 @@
   python tools/bench_step.py --peak --ctl DIR --id ID      the bf16 matrix-multiply rate of this GPU, then exit
 
 Protocol (files in DIR, written by rank 0): ID.ready after the warm-up (JSON), then for each DIR/ID.go.K the driver
-writes, ID.res.K (JSON: the seconds of each step of the block, peak memory during it); DIR/ID.stop ends the process.
+writes, ID.res.K (JSON: the seconds of each step of the block, peak memory during it); for DIR/ID.profile (holding
+a trace path), ID.prof (profile_steps: where a profiled step's time goes); DIR/ID.stop ends the process.
 Started under torchrun for several GPUs (every rank polls the same files). Past --deadline seconds the process
 prints every thread's Python stack and exits (faulthandler), so a hang is a failure with its stacks, never a stall.
 """
@@ -14,6 +15,7 @@ import argparse
 import faulthandler
 import json
 import os
+import re
 import sys
 import time
 
@@ -66,6 +68,64 @@ def matmul_peak(dev):
         a @ b
     sync(dev)
     return 2 * n**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+PROFILED_STEPS = 3
+# Where the time of a profiled step goes: the first category whose pattern a kernel's (on a CPU: an aten op's)
+# name matches, case-insensitive.
+CATEGORIES = (
+    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|cudnn.*(mha|attn)")),
+    ("matmul", re.compile(r"gemm|matmul|\bmm\b|addmm|bmm|cutlass|xmma|cublas|nvjet|linear")),
+    ("optimizer", re.compile(r"adam|_foreach_|multi_tensor|lamb|sgd")),
+    ("copies and casts", re.compile(r"copy|cast|_to_copy|memcpy|memset|convert|contiguous|\bcat\b|clone|fill")),
+)
+
+
+def category(name):
+    return next((cat for cat, pattern in CATEGORIES if pattern.search(name)), "other")
+
+
+def profile_steps(step, dev, n, trace):
+    """Run n steps under torch.profiler; write the Chrome trace to `trace` (if given) and return, per step, the
+    device time of each kernel category, the device's idle time between kernels within the steps, the wall time,
+    and the count of host-side aten ops. On a CPU, categories are of the aten ops' own CPU time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    sync(dev)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        sync(dev)
+    wall = (time.perf_counter() - start) / n
+    if trace:
+        prof.export_chrome_trace(trace)
+    events = prof.events()
+    on_device = dev.type == "cuda"
+    kernels = [e for e in events if (e.device_type == DeviceType.CUDA) == on_device and
+               (on_device or e.name.startswith("aten::"))]
+    by_cat = {}
+    for e in kernels:
+        us = e.time_range.elapsed_us() if on_device else e.self_cpu_time_total
+        by_cat[category(e.name)] = by_cat.get(category(e.name), 0.0) + us / 1e3 / n
+    summary = {"steps": n, "wall_ms": wall * 1e3, "device_ms": by_cat,
+               "host_aten_ops": sum(1 for e in events if e.device_type == DeviceType.CPU and
+                                    e.name.startswith("aten::")) / n}
+    if on_device and kernels:
+        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+        busy, (lo, hi) = 0.0, spans[0]
+        for a, b in spans[1:]:
+            if a > hi:
+                busy, lo, hi = busy + hi - lo, a, b
+            else:
+                hi = max(hi, b)
+        busy += hi - lo
+        summary["device_busy_ms"] = busy / 1e3 / n
+        summary["device_idle_ms"] = max(0.0, wall * 1e3 - busy / 1e3 / n)
+    return summary
 
 
 def build_model(name):
@@ -197,9 +257,17 @@ def main():
             write(base + ".ready", info)
         k = 0
         while True:
-            got = wait_for([f"{base}.go.{k}", base + ".stop"])
+            got = wait_for([f"{base}.go.{k}", base + ".profile", base + ".stop"])
             if got.endswith(".stop"):
                 break
+            if got.endswith(".profile"):
+                with open(got) as f:
+                    trace = f.read().strip()
+                os.remove(got)
+                summary = profile_steps(step, dev, PROFILED_STEPS, trace if rank == 0 else None)
+                if rank == 0:
+                    write(base + ".prof", summary)
+                continue
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
             times = []
