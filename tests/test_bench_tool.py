@@ -76,3 +76,23 @@ def test_a_site_that_does_not_hold_the_deepspeed_imported_fails_its_row(tmp_path
     with open(tmp_path / "out" / "bench.json") as f:
         rows = {r["subject"]: r for r in json.load(f)["rows"]}
     assert "step_s" in rows["torch"] and "a broken site" in rows["ds-z1"]["error"], rows["ds-z1"].get("error")
+
+
+def test_a_subject_cut_short_is_marked_as_such_in_the_table(tmp_path):
+    """A process that died after its first block (the H100 run's overlap_comm cell, cut by its deadline) showed as a
+    plain result with a spread of one block; the table now says how many blocks ran and why it stopped."""
+    row = {"set": "s", "subject": "ds-z2", "site": "fork", "deepspeed": "x", "blocks": [{"step_s": [0.5, 0.7]}],
+           "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0, "error": "exited with 1 before res.1"}
+    data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 3,
+            "steps": 2, "warmup": 1, "rows": [row]}
+    sys.path.insert(0, os.path.dirname(TOOL))
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("bench_cli", TOOL)
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    cli = importlib.util.module_from_spec(spec)
+    loader.exec_module(cli)
+    data["rows"] = [cli.summarize(row, data["peak_tflops"])]
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    assert "0.6000 (0.6000-0.6000; 1 of 3 blocks, then: exited with 1 before res.1)" in (tmp_path / "bench.md").read_text()
