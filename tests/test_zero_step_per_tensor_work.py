@@ -99,6 +99,18 @@ def test_zero0_overflow_check_is_one_pass_and_one_host_read(small, large):
     assert small["z0_clip"]["host_reads"]["has_overflow_serial"] == 1, small["z0_clip"]
 
 
+def test_zero0_unscales_and_copies_back_in_multi_tensor_ops(small, large):
+    """FP16_UnfusedOptimizer multiplied every fp32 gradient by 1/scale one tensor at a time, also by 1 when there was
+    nothing to unscale (bf16 without clipping), and copied every fp32 master weight back to its bf16 parameter with a
+    copy kernel each. Now: nothing when the scale is 1, one multi-tensor multiply otherwise (here: clipping), and one
+    multi-tensor copy for the parameter group, whatever the number of tensors."""
+    assert small["z0_clean"]["ops"]["unscale_and_clip_grads"] == 0, small["z0_clean"]
+    clip = [rec["z0_clip"]["ops"]["unscale_and_clip_grads"] for rec in (small, large)]
+    assert clip[0] == clip[1] > 0, clip
+    copies = [rec["z0_clip"]["copies"]["step"] for rec in (small, large)]
+    assert copies == [1, 1], copies
+
+
 def run_utils(code):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")

@@ -63,10 +63,12 @@ class CountOps(TorchDispatchMode):
         self.count = 0
         self.reads = 0
         self.largest = 0
+        self.copies = 0  # copy kernels: copy_ and the multi-tensor copy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         self.reads += func is torch.ops.aten._local_scalar_dense.default  # a value read back to the host
+        self.copies += func in (torch.ops.aten.copy_.default, torch.ops.aten._foreach_copy_.default)
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out, ):
             if isinstance(t, torch.Tensor):
@@ -120,7 +122,8 @@ def run_case(name):
     counters = {}
     # ZeRO-0's mixed-precision optimizers check overflow through their CheckOverflow object.
     checker = getattr(optimizer, "overflow_checker", None)
-    for owner, method in [(optimizer, m) for m in COUNTED] + [(checker, "has_overflow_serial")]:
+    zero0 = [(checker, "has_overflow_serial"), (optimizer, "unscale_and_clip_grads"), (optimizer, "step")]
+    for owner, method in [(optimizer, m) for m in COUNTED] + (zero0 if stage == 0 else []):
         if owner is not None and hasattr(owner, method):
             counters[method] = counter = CountOps()
 
@@ -150,6 +153,7 @@ def run_case(name):
         "skipped": all(torch.equal(a, b) for a, b in zip(before, after)),
         "ops": {method: counter.count for method, counter in counters.items()},
         "host_reads": {method: counter.reads for method, counter in counters.items()},
+        "copies": {method: counter.copies for method, counter in counters.items()},
         "largest_bytes": {method: counter.largest for method, counter in counters.items()},
         "grad_norm": None if norm is None else float(norm),
         "reference_grad_norm": reference_grad_norm(injection) if clipping and injection is None else None,
