@@ -128,3 +128,24 @@ def test_multi_tensor_norm_accumulates_in_the_dtype_asked():
         for n, t in zip(norms, tensors):
             assert torch.allclose(n, t.double().norm(), rtol=1e-12), (n, t.double().norm())
     """)
+
+
+def test_multi_tensor_copy_casts_and_multiply_match_the_per_tensor_ops():
+    """zero0-unscale-and-copy-back-in-multi-tensor-ops copies fp32 master weights into bf16/fp16 parameters with
+    torch._foreach_copy_ and unscales fp32 gradients with torch._foreach_mul_: bit for bit what copy_ and mul_ give."""
+    run("""
+        import torch
+        g = torch.Generator().manual_seed(0)
+        src = [torch.randn(n, generator=g) * 1e3 for n in (3, 1000, 17)]
+        for dtype in (torch.bfloat16, torch.float16):
+            dst, ref = [torch.empty(t.shape, dtype=dtype) for t in src], [torch.empty(t.shape, dtype=dtype) for t in src]
+            torch._foreach_copy_(dst, src)
+            for r, s in zip(ref, src):
+                r.copy_(s)
+            assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(dst, ref))
+        fused, ref = [t.clone() for t in src], [t.clone() for t in src]
+        torch._foreach_mul_(fused, 1.0 / 3.7)
+        for r in ref:
+            r.mul_(1.0 / 3.7)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(fused, ref))
+    """)
