@@ -96,3 +96,18 @@ def test_a_subject_cut_short_is_marked_as_such_in_the_table(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps(data))
     cli.render(str(tmp_path))
     assert "0.6000 (0.6000-0.6000; 1 of 3 blocks, then: exited with 1 before res.1)" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_pinned_upstream_release_is_measured_as_a_site(tmp_path):
+    """--site LABEL=pinned builds the release the fork is pinned to (as tools/zero-diff does) and its DeepSpeed
+    subjects run from there: the table puts 0.19.8 next to the rest."""
+    pytest.importorskip("deepspeed")
+    proc = bench("--sets", "tiny", "--site", "up=pinned", "--repeats", "1", "--steps", "1", "--warmup", "1",
+                 "--group-deadline-s", "900", "--budget-s", "1000", "--out", str(tmp_path), timeout=1500)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "bench.json") as f:
+        rows = json.load(f)["rows"]
+    ds = [r for r in rows if r["subject"].startswith("ds-")]
+    assert ds and all(r["deepspeed"] == "0.19.8" and r["site"] == "up" for r in ds), [
+        (r["subject"], r.get("deepspeed"), r.get("error")) for r in ds]
+    assert os.path.isdir(tmp_path / "site-up" / "deepspeed")
