@@ -10,7 +10,8 @@ Variants (micro-batch lengths are what a collator that pads to the longest seque
   past_warmup                  accumulation 1, a new length every step, 8 steps: past DeepCompile ZeRO-3's WARMUP
                                step (5), where every graph is compiled again with prefetching and selective gathering
 
-fp32, so that DeepCompile and eager ZeRO agree to rounding and a lost or doubled micro-batch stands out.
+fp32, so that DeepCompile and eager ZeRO agree to rounding and a lost or doubled micro-batch stands out. Also
+records how many graphs Inductor lowered in each optimizer step (test_deepcompile_lowers_only_the_last_cycle.py).
 DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile ZeRO-3's schedule:
 `recompile_only`, `prefetch`, `selective_gather` (each the WARMUP entry's extra pass).
 """
@@ -54,6 +55,20 @@ def schedule(name):
     return [(0, [zero3_compile.add_z3_gather_release]), (WARMUP, [zero3_compile.add_z3_gather_release] + extra)]
 
 
+def count_inductor_lowerings():
+    """A one-item list counting the graphs handed to Inductor from now on (a compile from its cache counts too)."""
+    import torch._inductor.compile_fx as compile_fx
+    count = [0]
+    inner = compile_fx._compile_fx_inner
+
+    def counting_inner(*args, **kwargs):
+        count[0] += 1
+        return inner(*args, **kwargs)
+
+    compile_fx._compile_fx_inner = counting_inner
+    return count
+
+
 def make_batch(index, length):
     gen = torch.Generator().manual_seed(2000 + index)
     ids = torch.randint(3, zoo_models.vocab_size("llama"), (MICRO_BATCH, length), generator=gen)
@@ -84,7 +99,9 @@ def main(report):
             kwargs["schedule"] = schedule(os.environ["DCGA_SCHEDULE"])
         engine.compile(**kwargs)
     rec = report["run"] = dict(stage=args.stage, mode=args.mode, variant=args.variant, losses=[], lengths=[],
-                               grad_norms=[], deepcompile_active=bool(engine.is_deepcompile_active()))
+                               grad_norms=[], deepcompile_active=bool(engine.is_deepcompile_active()),
+                               inductor_graphs_by_step=[])
+    lowered = count_inductor_lowerings()
     for i in range(steps * grad_acc):
         batch = make_batch(i, length_of(i))
         loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
@@ -96,6 +113,8 @@ def main(report):
         if boundary:
             norm = engine.get_global_grad_norm()
             rec["grad_norms"].append(None if norm is None else float(norm))
+            rec["inductor_graphs_by_step"].append(lowered[0])
+            lowered[0] = 0
         report.write()
     faulthandler.cancel_dump_traceback_later()
     engine.destroy()

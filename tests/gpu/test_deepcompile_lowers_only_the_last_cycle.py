@@ -1,0 +1,77 @@
+"""DeepCompile lowers a graph with Inductor only in the last cycle of its pass schedule.
+
+DeepCompile ZeRO-3 compiles every graph twice: at step 0 with the gathers and releases only, and again at its WARMUP
+step, after Dynamo is reset, with profile-guided prefetching and selective gathering. The first cycle's graphs run
+WARMUP steps and are then thrown away, yet 0.19.8 generated Inductor code for each of them: a second Inductor compile
+of every graph, about a fifth of a short Trainer run (docs/model-zoo.md). The fork runs those graphs as AOT traced
+them and lowers only the last cycle's.
+
+The zoo's Llama, fp32, a new sequence length every step, 8 steps (workers/dc_grad_accumulation.py, variant
+past_warmup), one process each, side by side on one GPU: DeepCompile ZeRO-3 hands no graph to Inductor before WARMUP
+and lowers its graphs from WARMUP on, while its gradient norms and losses stay those of eager ZeRO-3 (the warm-up
+steps now run unfused code, the later ones Inductor's); DeepCompile ZeRO-1, whose schedule has one cycle, lowers its
+graphs at the first step as before.
+"""
+
+import importlib.util
+import math
+import os
+
+import pytest
+
+from dist import DistJob, skip_reason
+
+TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "480"))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_grad_accumulation.py")
+JOBS = {"z3-eager": ("3", "eager"), "z3-deepcompile": ("3", "deepcompile"), "z1-deepcompile": ("1", "deepcompile")}
+WARMUP = 5  # deepspeed.compile.init_z3.WARMUP, checked against the installed deepspeed below
+RTOL = 1e-3  # fp32; the bound of test_deepcompile_grad_accumulation.py
+
+
+@pytest.fixture(scope="module")
+def runs():
+    reason = skip_reason(1)
+    if reason:
+        pytest.skip(reason)
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not importable")
+    started = {
+        name: DistJob(WORKER, ["--stage", stage, "--variant", "past_warmup", "--mode", mode], nprocs=1,
+                      timeout=TIMEOUT_S, env={
+                          "TORCHINDUCTOR_COMPILE_THREADS": "1"
+                      }).start()
+        for name, (stage, mode) in JOBS.items()
+    }
+    out = {}
+    for name, job in started.items():
+        res = job.wait()
+        res.save(f"dc_lowers_only_the_last_cycle_{name}")
+        assert res.ok, res.failure_message()
+        out[name] = res.results[0]["run"]
+    return out
+
+
+def test_warmup_constant_is_the_installed_one():
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not importable")
+    from deepspeed.compile.init_z3 import WARMUP as installed
+    assert installed == WARMUP
+
+
+def test_zero3_lowers_no_graph_before_warmup_and_keeps_eager_values(runs):
+    eager, dc = runs["z3-eager"], runs["z3-deepcompile"]
+    lowered = dc["inductor_graphs_by_step"]
+    print(f"\nDeepCompile ZeRO-3: graphs handed to Inductor by optimizer step {lowered}\n"
+          f"grad norms eager {eager['grad_norms']}\n       deepcompile {dc['grad_norms']}")
+    assert dc["deepcompile_active"] and len(lowered) == len(eager["grad_norms"]) == 8
+    assert sum(lowered[:WARMUP]) == 0, f"Inductor lowered graphs of the warm-up cycle: {lowered}"
+    assert lowered[WARMUP] > 0, f"the WARMUP step recompiled nothing with Inductor: {lowered}"
+    for got, want in zip(dc["grad_norms"] + dc["losses"], eager["grad_norms"] + eager["losses"]):
+        assert math.isfinite(got) and abs(got - want) <= RTOL * abs(want), (dc["grad_norms"], eager["grad_norms"])
+
+
+def test_zero1_single_cycle_lowers_at_the_first_step(runs):
+    lowered = runs["z1-deepcompile"]["inductor_graphs_by_step"]
+    print(f"\nDeepCompile ZeRO-1: graphs handed to Inductor by optimizer step {lowered}")
+    assert lowered[0] > 0 and sum(lowered[2:]) == 0, lowered
