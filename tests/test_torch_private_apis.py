@@ -116,6 +116,30 @@ def test_multi_tensor_non_finite_check_finds_every_kind_and_changes_nothing(dtyp
     """)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_multi_tensor_infinity_norm_is_finite_exactly_when_every_element_is(dtype):
+    """zero12-overflow-check-in-one-multi-tensor-pass checks the dtypes torch's GradScaler kernel refuses (bfloat16 on
+    CUDA) with torch._foreach_norm(tensors, inf): each tensor's largest magnitude, which must be inf or NaN when one
+    element is inf, -inf or NaN, and finite (the largest magnitude itself) when none is, the dtype's extremes
+    included."""
+    run(f"""
+        import torch
+        dt = torch.{dtype}
+        g = torch.Generator().manual_seed(0)
+        make = lambda: [torch.randn(n, generator=g).to(dt) for n in (3, 1000, 17)]
+        extremes = torch.tensor([torch.finfo(dt).max, -torch.finfo(dt).max, torch.finfo(dt).tiny, -0.0], dtype=dt)
+        for tensors in (make(), [extremes]):
+            norms = torch._foreach_norm(tensors, float("inf"))
+            assert all(n.isfinite() and n == t.abs().max() for n, t in zip(norms, tensors)), norms
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            for i in range(3):
+                tensors = make()
+                tensors[i][len(tensors[i]) // 2] = bad
+                norms = torch.stack(torch._foreach_norm(tensors, float("inf")))
+                assert not norms[i].isfinite() and norms.isfinite().sum() == 2, (bad, i, norms)
+    """)
+
+
 def test_multi_tensor_norm_accumulates_in_the_dtype_asked():
     """zero-grad-norm-in-one-multi-tensor-pass takes the gradient norms with torch._foreach_norm(grads, 2,
     dtype=torch.float64): norms in fp64 of bf16 and fp32 tensors, equal to each tensor's own fp64 norm."""
