@@ -8,7 +8,8 @@ gradient accumulation 2, 8 optimizer steps with an evaluation every 3, `torch_co
 `engine.compile()`), and HF's "auto" DeepSpeed config; mode `deepcompile` adds `"compile": {"deepcompile": true}`,
 mode `compile` is plain torch.compile of the same run, mode `eager` the same run without torch_compile (the zoo's
 reference). Records the wall time of `trainer.train()` (compiles included; tools/bench-trainer compares it across
-modes), the logged losses, Dynamo graphs compiled and DeepCompile profiling runs.
+modes), the logged losses, Dynamo graphs compiled and DeepCompile profiling runs; with ZOO_TRAINER_PHASES=1 also the
+seconds of each compile phase (compile_phases.py).
 """
 
 import argparse
@@ -91,6 +92,10 @@ def main(report):
     trainer = Trainer(model=model, args=targs, train_dataset=dataset(64, 1), eval_dataset=dataset(6, 2),
                       data_collator=pad_to_longest)
     counters = Counters()
+    phases = None
+    if os.environ.get("ZOO_TRAINER_PHASES"):
+        import compile_phases
+        phases = compile_phases.install()
     rec["recompile_reasons"] = []
     counters.capture_recompile_reasons(rec["recompile_reasons"])
     rec["reached"] = "train"
@@ -101,6 +106,8 @@ def main(report):
     rec["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     rec["eval_losses"] = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     rec["compiles"] = counters.snapshot()
+    if phases is not None:
+        rec["phases"] = phases.snapshot()
     rec["reached"] = "done"
     report.write()
     faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,79 @@
+"""Where a compiled run's time goes: seconds and calls of each compile phase, summed by wrappers around the entry
+points of Dynamo, AOT autograd, Inductor and DeepCompile (benchmark diagnostics, not a test).
+
+    phases = compile_phases.install()   # before the first compile
+    ...
+    report["phases"] = phases.snapshot()
+
+Phases nest (the backend runs inside a Dynamo compile, Inductor inside AOT autograd, DeepCompile's passes inside
+both): every figure is inclusive. An entry point this torch or deepspeed lacks is left out of the snapshot and
+named under "missing".
+"""
+
+import functools
+import importlib
+import time
+
+# phase name: (module, attribute path of the callable). Each is looked up by its callers at call time, so replacing
+# the attribute reaches every call.
+ENTRY_POINTS = {
+    "dynamo compile": ("torch._dynamo.convert_frame", "_compile"),
+    "backend (call_user_compiler)": ("torch._dynamo.output_graph", "OutputGraph.call_user_compiler"),
+    "AOT autograd, compilers included": ("torch._dynamo.backends.common", "aot_module_simplified"),
+    "Inductor (_compile_fx_inner)": ("torch._inductor.compile_fx", "_compile_fx_inner"),
+    "DeepCompile run_opt_passes": ("deepspeed.compile.backend", "run_opt_passes"),
+    "DeepCompile operator profile": ("deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run"),
+    "DeepCompile memory profile": ("deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run"),
+    "gc.collect": ("gc", "collect"),
+}
+
+
+class Phases:
+
+    def __init__(self):
+        self.seconds = {}
+        self.calls = {}
+        self.missing = []
+        self._depth = {}
+
+    def _wrap(self, name, fn):
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            # A phase that re-enters itself (a Dynamo compile inside a compile) is counted once, at its outermost call.
+            depth = self._depth.get(name, 0)
+            self._depth[name] = depth + 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth[name] = depth
+                if depth == 0:
+                    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+                    self.calls[name] = self.calls.get(name, 0) + 1
+
+        return timed
+
+    def snapshot(self):
+        return {
+            "seconds": {k: round(v, 2)
+                        for k, v in self.seconds.items()},
+            "calls": dict(self.calls),
+            "missing": list(self.missing)
+        }
+
+
+def install(entry_points=ENTRY_POINTS):
+    phases = Phases()
+    for name, (module_name, path) in entry_points.items():
+        try:
+            owner = importlib.import_module(module_name)
+            *outer, attr = path.split(".")
+            for part in outer:
+                owner = getattr(owner, part)
+            original = getattr(owner, attr)
+        except (ImportError, AttributeError):
+            phases.missing.append(name)
+            continue
+        setattr(owner, attr, phases._wrap(name, original))
+    return phases
