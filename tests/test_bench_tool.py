@@ -111,3 +111,35 @@ def test_the_pinned_upstream_release_is_measured_as_a_site(tmp_path):
     assert ds and all(r["deepspeed"] == "0.19.8" and r["site"] == "up" for r in ds), [
         (r["subject"], r.get("deepspeed"), r.get("error")) for r in ds]
     assert os.path.isdir(tmp_path / "site-up" / "deepspeed")
+
+
+@pytest.mark.parametrize("value, plain", [("9.0a", "9.0"), ("9.0a;10.0f+PTX", "9.0;10.0+PTX"), ("8.0 9.0a", "8.0 9.0"),
+                                          ("9.0", None), ("", None), (None, None)])
+def test_upstream_sites_build_their_ops_for_plain_architectures(value, plain):
+    """0.19.8's op builder stops at an architecture suffix (`invalid literal for int() with base 10: '0a'`: every
+    DeepCompile subject of 0.19.8 failed so on an H100 host whose image sets 9.0a). tools/bench gives a pinned
+    upstream site the list without suffixes, and leaves every other site's environment as it is."""
+    import importlib.machinery
+    import importlib.util
+    import pinned_upstream
+    assert pinned_upstream.plain_arch_list(value) == plain
+    loader = importlib.machinery.SourceFileLoader("bench_tool", os.path.join(REPO, "tools", "bench"))
+    spec = importlib.util.spec_from_loader("bench_tool", loader)
+    tool = importlib.util.module_from_spec(spec)
+    loader.exec_module(tool)
+    upstream, fork = "/sites/site-0.19.8", "/sites/fork"
+    tool.UPSTREAM_SITES.add(upstream)
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    try:
+        if value is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = value
+        assert tool.site_env(upstream).get("TORCH_CUDA_ARCH_LIST") == (plain or value)
+        assert tool.site_env(fork).get("TORCH_CUDA_ARCH_LIST") == value
+        assert tool.site_env(upstream)["TORCH_EXTENSIONS_DIR"] != tool.site_env(fork)["TORCH_EXTENSIONS_DIR"]
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved

@@ -1,6 +1,7 @@
 """Upstream's pinned release, installed for side-by-side runs (tools/zero-diff, tools/bench: --site LABEL=pinned)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -18,3 +19,14 @@ def site(out, label):
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
                         target, sdist], check=True)
     return target
+
+
+def plain_arch_list(value):
+    """TORCH_CUDA_ARCH_LIST without architecture suffixes ("9.0a;10.0f+PTX" -> "9.0;10.0+PTX"), or None if nothing
+    changes. Upstream 0.19.8's op builder reads each entry as numbers and stops at a suffix (`invalid literal for
+    int() with base 10: '0a'`, on hosts whose image sets 9.0a); the fork's patch op-builder-arch-suffixes fixes that.
+    A JIT-built op of the pinned release is built for the plain architecture instead."""
+    if not value:
+        return None
+    plain = re.sub(r"(\d+\.\d+)[a-zA-Z]+", r"\1", value)
+    return plain if plain != value else None
