@@ -89,6 +89,25 @@ def test_the_step_checks_dispatch_no_op_per_tensor(small, large, case):
         assert small[case]["ops"]["has_overflow_partitioned_grads_serial"] > 0, "the overflow check did not run"
 
 
+@pytest.mark.parametrize("case", ["z1_clip", "z2_clip"])
+def test_zero12_step_rebinds_no_parameter_that_still_views_its_flat_buffer(small, large, case):
+    """ZeRO-1/2 pointed every bit16 parameter at its slice of the flat buffer after every step (a narrow, a view and a
+    .data assignment each: 0.19.8's "TODO: we probably don't need this?"), though the parameters already were those
+    views. Now nothing runs for them, whatever their number, and they still are the buffer's views after the step."""
+    ops = [rec[case]["ops"]["_update_model_bit16_weights"] for rec in (small, large)]
+    assert ops == [0, 0], ops
+    assert small[case]["aliases_flat_buffer"] and large[case]["aliases_flat_buffer"]
+
+
+@pytest.mark.parametrize("case", ["z1_moved_param", "z2_moved_param"])
+def test_zero12_step_points_a_moved_parameter_at_its_flat_buffer_again(small, case):
+    """A parameter whose data was replaced (a .to(), an assigning load_state_dict) between backward and step is
+    pointed at the updated flat buffer again by the step, as 0.19.8 did: it trains on."""
+    rec = small[case]
+    assert rec["ops"]["_update_model_bit16_weights"] > 0, rec
+    assert rec["aliases_flat_buffer"] and rec["moved_param_updated"], rec
+
+
 def test_zero0_overflow_check_is_one_pass_and_one_host_read(small, large):
     """ZeRO-0's mixed-precision optimizers check overflow with CheckOverflow.has_overflow_serial, which in 0.19.8
     runs has_inf_or_nan on each gradient and reads each result back to the host (14 ops and one device

@@ -50,9 +50,15 @@ CASES = {
     "z2_clip": (2, None, 1e-3),
     "z3_clip": (3, None, 1e-3),
     "z2_clip_nan": (2, (3, 0, math.nan), 1e-3),
+    "z1_moved_param": (1, None, 0.0),
+    "z2_moved_param": (2, None, 0.0),
 }
+# Cases whose parameter MOVED_PARAM gets new data (a clone) between backward and step, as a .to() or an assigning
+# load_state_dict would: the step must point it at the optimizer's flat buffer again, updated.
+MOVED = ("z1_moved_param", "z2_moved_param")
+MOVED_PARAM = 5
 # The optimizer methods whose dispatched aten ops are counted.
-COUNTED = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct", "has_overflow")
+COUNTED = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct", "has_overflow", "_update_model_bit16_weights")
 
 
 class CountOps(TorchDispatchMode):
@@ -92,6 +98,19 @@ def reference_grad_norm(injection):
     model(x).float().pow(2).mean().backward()
     norms = [torch.linalg.vector_norm(p.grad.double()) for p in model.parameters()]
     return torch.stack(norms).pow(2).sum().sqrt().item()
+
+
+def aliases_flat_buffer(optimizer):
+    """Whether every bit16 parameter of a ZeRO-1/2 optimizer is a view of its group's flat buffer at its offset (read
+    from the attributes 0.19.8 has too), holding what the buffer holds."""
+    for flat, params, offsets in zip(optimizer.bit16_groups_flat, optimizer.round_robin_bit16_groups,
+                                     optimizer.round_robin_bit16_offsets):
+        for p, offset in zip(params, offsets):
+            if p.data_ptr() != flat.data_ptr() + offset * flat.element_size():
+                return False
+            if not torch.equal(p.detach().reshape(-1), flat.narrow(0, offset, p.numel())):
+                return False
+    return True
 
 
 def run_case(name):
@@ -141,6 +160,8 @@ def run_case(name):
     # ZeRO-3 checks its flat gradient buffer for overflow under fp16 only, which the CPU accelerator lacks: call the
     # check here, between backward and step, as its fp16 step would.
     direct_check = bool(optimizer.has_overflow()) if stage == 3 else None
+    if name in MOVED:
+        params[MOVED_PARAM].data = params[MOVED_PARAM].data.clone()
     engine.step()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         after = [p.detach().clone() for p in engine.module.parameters()]
@@ -155,6 +176,8 @@ def run_case(name):
         "host_reads": {method: counter.reads for method, counter in counters.items()},
         "copies": {method: counter.copies for method, counter in counters.items()},
         "largest_bytes": {method: counter.largest for method, counter in counters.items()},
+        "aliases_flat_buffer": aliases_flat_buffer(optimizer) if stage in (1, 2) else None,
+        "moved_param_updated": (not torch.equal(before[MOVED_PARAM], after[MOVED_PARAM])) if name in MOVED else None,
         "grad_norm": None if norm is None else float(norm),
         "reference_grad_norm": reference_grad_norm(injection) if clipping and injection is None else None,
     }
