@@ -173,26 +173,19 @@ def test_the_fused_check_finds_every_non_finite_value_and_changes_nothing():
     run_utils(CHECK)
 
 
-# Counts the aten ops accumulate_inf_or_nan_ dispatches for n tensors of each dtype.
-COUNT_OPS = """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
+# Counts the aten ops accumulate_inf_or_nan_ dispatches for n tensors of each dtype (the worker's counter).
+COUNT_OPS = f"""
+    import sys
+    sys.path.insert(0, {os.path.dirname(WORKER)!r})
+    from zero_step_checks import CountOps
 
     def ops_for(n):
         tensors = [torch.randn(7).bfloat16() for _ in range(n)] + [torch.randn(3) for _ in range(n)]
         flag = torch.zeros(1)
-        with Ops() as ops:
+        with CountOps() as ops:
             accumulate_inf_or_nan_(tensors, flag)
         assert flag.item() == 0.0
-        return ops.n
+        return ops.count
 
     ops_for(1)  # the first call learns which dtypes lack the GradScaler kernel
     print("ops", ops_for(10), ops_for(200))
