@@ -6,7 +6,9 @@ CPU accelerator with gloo (run with DS_ACCELERATOR=cpu). Every cell starts from 
 batches (seeded by step and rank), and trains STEPS optimizer steps of GRAD_ACCUM_OF_CELL micro-batches with torch's
 Adam as the client optimizer. Recorded per micro-batch: the loss (float.hex, exact); per optimizer step: the global
 gradient norm, the loss scale and the count of skipped steps; at the end, a sha256 of every parameter's bytes
-(ZeRO-3 parameters gathered first). A cell that raises records its exception instead and the next cell runs.
+(ZeRO-3 parameters gathered first). The Trainer cells (zero_diff_cells.TRAINER_CELLS) train the zoo's Llama through
+transformers' Trainer instead and record its logged losses, gradient norms and evaluation losses. A cell that raises
+records its exception instead and the next cell runs.
 
 A faulthandler deadline prints every thread's stack and exits, so a hung collective fails the run instead of holding
 it. --perturb NAME raises the learning rate of cell NAME by 2**-10 of itself (about 0.1 %): the control that shows
@@ -28,11 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # zoo_models
 from founding_common import run_worker  # noqa: E402
 import zero_diff_cells  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, SEQ, MICRO_BATCH = 64, 32, 3, 8, 2
 STEPS = 4
+TRAINER_STEPS = 4
 LR = 1e-2
 # Small buckets, so that every ZeRO-1/2 backward flushes several and an oversized gradient exists (the embedding).
 BUCKET = 1500
@@ -119,7 +123,45 @@ def hexf(x):
     return x.hex() if math.isfinite(x) else repr(x)
 
 
+def run_trainer_cell(cell, device, perturb):
+    """The Trainer as DeepSpeed's client (HF's documented ZeRO block of the cell, the rest "auto"): per logged step the
+    training loss and gradient norm, the evaluation losses, and the final parameters."""
+    import tempfile
+    import deepspeed
+    from transformers import Trainer, TrainingArguments
+    import zoo_models
+    from zoo_trainer import dataset, pad_to_longest
+
+    ds = {"zero_optimization": cell["zero_optimization"], "bf16": {"enabled": "auto"},
+          "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "steps_per_print": 10**9}
+    with tempfile.TemporaryDirectory(prefix="zero_diff_trainer_") as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=TRAINER_STEPS, eval_strategy="steps",
+                                 eval_steps=2, logging_steps=1, learning_rate=1e-3 * (1 + 2**-10 if perturb else 1),
+                                 bf16=True, deepspeed=ds, report_to=[], save_strategy="no", seed=0,
+                                 dataloader_num_workers=0, use_cpu=device.type == "cpu")
+        torch.manual_seed(0)
+        model = zoo_models.build("llama")  # after TrainingArguments: ZeRO-3 builds it under zero.Init, as users get it
+        trainer = Trainer(model=model, args=args, train_dataset=dataset(32, 1), eval_dataset=dataset(4, 2),
+                          data_collator=pad_to_longest)
+        trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    engine = trainer.model_wrapped
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=cell["stage"] == 3):
+        digests = {name: digest(p) for name, p in params.items()}
+    return {
+        "losses": [hexf(h["loss"]) for h in logged],
+        "eval_losses": [hexf(h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h],
+        "steps": [{"grad_norm": hexf(h.get("grad_norm")), "loss_scale": None, "skipped": 0} for h in logged],
+        "params": digests,
+    }
+
+
 def run_cell(cell, device, rank, world_size, perturb):
+    if cell.get("client") == "trainer":
+        return run_trainer_cell(cell, device, perturb)
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 

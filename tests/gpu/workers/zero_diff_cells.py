@@ -101,9 +101,45 @@ def covering_cells(fp16=True):
     return chosen + [normalize(c) for c in EXTRA_CELLS]
 
 
+# The Hugging Face Trainer as the client, with the zero_optimization blocks of HF's DeepSpeed documentation ("auto"
+# values filled in by the Trainer): how most users run eager ZeRO. The zoo's Llama, padded batches of 32-128 tokens,
+# accumulation 2, an evaluation every 2 steps, bf16 (tests/gpu/workers/zero_diff.py, run_trainer_cell).
+TRAINER_CELLS = {
+    "trainer-hf-zero2": {
+        "client": "trainer",
+        "stage": 2,
+        "zero_optimization": {
+            "stage": 2,
+            "allgather_partitions": True,
+            "allgather_bucket_size": 2e8,
+            "overlap_comm": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": "auto",
+            "contiguous_gradients": True,
+        },
+    },
+    "trainer-hf-zero3": {
+        "client": "trainer",
+        "stage": 3,
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    },
+}
+
+
 def cells(fp16=True):
-    """{name: cell} of the suite."""
-    return {name(c): c for c in covering_cells(fp16)}
+    """{name: cell} of the suite: the covering design, then the Trainer cells."""
+    return {**{name(c): c for c in covering_cells(fp16)}, **TRAINER_CELLS}
 
 
 def control(fp16=True):
@@ -112,4 +148,4 @@ def control(fp16=True):
     through the buckets, and no fp16 loss scaler can skip the step that shows the perturbation. Chosen from the cells
     of this host (the design with fp16 differs from the one without)."""
     return next(n for n, c in cells(fp16).items()
-                if c["stage"] == 2 and c["precision"] == "bf16" and c["grad_accum"] == 2)
+                if c["stage"] == 2 and c.get("precision") == "bf16" and c.get("grad_accum") == 2)
