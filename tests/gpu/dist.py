@@ -9,6 +9,7 @@ signal (SIGABRT from a failed C++ assert, say) is reported as such rather than a
 non-zero exit status.
 """
 
+import importlib.util
 import json
 import os
 import random
@@ -46,12 +47,14 @@ def cuda_device_count() -> int:
 
 
 def skip_reason(nprocs: int) -> Optional[str]:
-    """Why a test needing ``nprocs`` GPUs cannot run here, or None if it can."""
+    """Why a test needing ``nprocs`` GPUs and deepspeed cannot run here, or None if it can."""
     count = cuda_device_count()
     if count == 0:
         return "CUDA is not available"
     if count < nprocs:
         return f"needs {nprocs} GPUs, found {count}"
+    if importlib.util.find_spec("deepspeed") is None:
+        return "deepspeed is not importable"
     return None
 
 

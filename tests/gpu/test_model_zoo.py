@@ -147,8 +147,8 @@ def zoo():
     reason = skip_reason(1)
     if reason:
         pytest.skip(reason)
-    if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None:
-        pytest.skip("deepspeed and transformers must be importable")
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not importable")
     import deepspeed
 
     tmp = tempfile.mkdtemp(prefix="zoo_")
