@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from founding_common import describe, run_worker, setup_device  # noqa: E402
+import compile_phases  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
 
@@ -53,20 +54,6 @@ def schedule(name):
     extra = {"recompile_only": [], "prefetch": [prefetch.schedule_prefetch],
              "selective_gather": [selective_gather.selective_gather]}[name]
     return [(0, [zero3_compile.add_z3_gather_release]), (WARMUP, [zero3_compile.add_z3_gather_release] + extra)]
-
-
-def count_inductor_lowerings():
-    """A one-item list counting the graphs handed to Inductor from now on (a compile from its cache counts too)."""
-    import torch._inductor.compile_fx as compile_fx
-    count = [0]
-    inner = compile_fx._compile_fx_inner
-
-    def counting_inner(*args, **kwargs):
-        count[0] += 1
-        return inner(*args, **kwargs)
-
-    compile_fx._compile_fx_inner = counting_inner
-    return count
 
 
 def make_batch(index, length):
@@ -101,7 +88,9 @@ def main(report):
     rec = report["run"] = dict(stage=args.stage, mode=args.mode, variant=args.variant, losses=[], lengths=[],
                                grad_norms=[], deepcompile_active=bool(engine.is_deepcompile_active()),
                                inductor_graphs_by_step=[])
-    lowered = count_inductor_lowerings()
+    # Graphs handed to Inductor (a compile from its cache counts too), summed per optimizer step.
+    phases = compile_phases.install({"inductor": compile_phases.ENTRY_POINTS["Inductor (_compile_fx_inner)"]})
+    lowered_before = 0
     for i in range(steps * grad_acc):
         batch = make_batch(i, length_of(i))
         loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
@@ -113,8 +102,9 @@ def main(report):
         if boundary:
             norm = engine.get_global_grad_norm()
             rec["grad_norms"].append(None if norm is None else float(norm))
-            rec["inductor_graphs_by_step"].append(lowered[0])
-            lowered[0] = 0
+            lowered = phases.calls.get("inductor", 0)
+            rec["inductor_graphs_by_step"].append(lowered - lowered_before)
+            lowered_before = lowered
         report.write()
     faulthandler.cancel_dump_traceback_later()
     engine.destroy()
