@@ -10,7 +10,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "bench")
 sys.path.insert(0, os.path.join(REPO, "tools"))
-from bench_cells import SETS, flops_per_token  # noqa: E402
+from bench_cells import SETS, flops_per_token, parse_sets  # noqa: E402
 
 
 def bench(*args, timeout=600):
@@ -52,11 +52,19 @@ def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
         assert json.load(f)["traceEvents"], "empty trace"
 
 
+def test_only_keeps_the_named_subjects_of_each_group():
+    (name, model, seq, batch, groups), = parse_sets("default", "dc-z1,compile")
+    assert (name, model) == ("default", SETS["default"][0])
+    assert groups == [["dc-z1"], ["compile"]]
+    assert parse_sets("default") == [("default", *SETS["default"])]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--sets", "nope"], "unknown cell set 'nope'"),
     (["--site", "x=/nonexistent"], "--site x=/nonexistent: want LABEL=DIR"),
     (["--repeats", "0"], "must be at least 1"),
     (["--profile", "ds-z9"], "--profile ds-z9: not a subject"),
+    (["--sets", "default", "--only", "dc-z1,ds-z2"], "--only ds-z2: not a subject of the sets default"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
     proc = bench(*args, "--out", str(tmp_path / "out"), timeout=60)

@@ -44,15 +44,27 @@ SETS = {
 }
 
 
-def parse_sets(names):
-    """[(set name, model, seq, batch, groups)] for comma-separated set names, or ValueError naming the known ones."""
+def parse_sets(names, only=""):
+    """[(set name, model, seq, batch, groups)] for comma-separated set names, or ValueError naming the known ones.
+
+    `only` (comma-separated subjects) keeps just those subjects of the sets' groups, e.g. one cell measured before
+    and after a patch; a subject that none of the sets holds is an error, not an empty run."""
+    keep = [s for s in only.split(",") if s]
     out = []
     for name in [n for n in names.split(",") if n]:
         if name not in SETS:
             raise ValueError(f"unknown cell set {name!r}; known: {', '.join(SETS)}")
-        out.append((name, ) + SETS[name])
+        model, seq, batch, groups = SETS[name]
+        if keep:
+            groups = [kept for kept in ([s for s in g if s in keep] for g in groups) if kept]
+        if groups:
+            out.append((name, model, seq, batch, groups))
     if not out:
         raise ValueError("no cell set given")
+    held = {s for *_, groups in out for g in groups for s in g}
+    missing = [s for s in keep if s not in held]
+    if missing:
+        raise ValueError(f"--only {','.join(missing)}: not a subject of the sets {names}")
     return out
 
 
