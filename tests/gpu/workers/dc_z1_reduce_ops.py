@@ -1,0 +1,130 @@
+"""Worker for test_deepcompile_z1_bucket_reduction.py: the host ops of DeepCompile ZeRO-1's gradient reduction.
+
+Trains a stack of `--layers` linear layers (fp32, torch's Adam) with eager ZeRO-1 and with DeepCompile ZeRO-1 on
+identical data, reports every loss and every step's global gradient norm, and profiles one more DeepCompile step: how
+many times DeepCompile's ops (`dc::reduce_grad`, `dc::end_backward`) call each aten op directly, so that the work of a
+bucket's flush can be told from the work of a gradient.
+
+Each rank writes a JSON report to $DIST_RESULT_DIR/rank<RANK>.json.
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ds_configs
+
+HIDDEN = 256
+MICRO_BATCH = 4
+GAS = 1  # accumulating micro-batches adds each gradient to the last one's, by design: one micro-batch a step
+STEPS = 4
+LR = 1e-3
+DC_OPS = ("dc::reduce_grad", "dc::end_backward")
+
+
+class Stack(nn.Module):
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(layers))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return F.mse_loss(x, y)
+
+
+def make_batch(rank, index, device):
+    gen = torch.Generator().manual_seed(1000 * (rank + 1) + index)
+    x = torch.randn(MICRO_BATCH, HIDDEN, generator=gen)
+    return x.to(device), (0.5 * x.roll(1, dims=-1)).to(device)
+
+
+def ops_called_by_deepcompile(prof):
+    """{aten op: calls} made directly by DeepCompile's ops (nested calls of those ops not counted again)."""
+    calls = collections.Counter()
+    for event in prof.events():
+        parent = event.cpu_parent
+        if parent is not None and parent.name in DC_OPS:
+            calls[event.name] += 1
+    calls.update({name: 0 for name in DC_OPS})
+    for event in prof.events():
+        if event.name in DC_OPS:
+            calls[event.name] += 1
+    return dict(calls)
+
+
+def train(layers, deepcompile, rank, device):
+    import deepspeed
+    torch.manual_seed(0)
+    model = Stack(layers)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_configs.zero(1, MICRO_BATCH, GAS, LR, deepcompile=deepcompile,
+                                                                  bf16=False))
+    if deepcompile:
+        engine.compile()
+    rec = {"losses": [], "grad_norms": [], "deepcompile_active": bool(engine.is_deepcompile_active()),
+           "params": sum(1 for _ in model.parameters())}
+
+    def step(index):
+        x, y = make_batch(rank, index, device)
+        loss = engine(x, y)
+        engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        return loss.item(), boundary
+
+    for index in range(STEPS * GAS):
+        loss, boundary = step(index)
+        rec["losses"].append(loss)
+        if boundary:
+            rec["grad_norms"].append(float(engine.get_global_grad_norm()))
+    if deepcompile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for index in range(STEPS * GAS, (STEPS + 1) * GAS):
+                step(index)
+            torch.cuda.synchronize()
+        rec["ops_of_one_step"] = ops_called_by_deepcompile(prof)
+    engine.destroy()
+    return rec
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, required=True)
+    args = parser.parse_args()
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    import deepspeed
+    deepspeed.init_distributed()
+
+    report = {"rank": rank, "layers": args.layers, "error": None, "deepspeed_version": deepspeed.__version__,
+              "torch_version": torch.__version__}
+    path = os.path.join(os.environ["DIST_RESULT_DIR"], f"rank{rank}.json")
+    try:
+        for name, deepcompile in (("eager", False), ("deepcompile", True)):
+            report[name] = train(args.layers, deepcompile, rank, device)
+            torch.cuda.empty_cache()
+    except BaseException:
+        report["error"] = traceback.format_exc()
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"[rank {rank}] worker failed:\n{report['error']}", file=sys.stderr, flush=True)
+        os._exit(1)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
