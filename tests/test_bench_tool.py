@@ -52,6 +52,16 @@ def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
         assert json.load(f)["traceEvents"], "empty trace"
 
 
+@pytest.mark.parametrize("model,skipped_share", [("tiny", 0), ("tiny-moe", 2 / 4)])
+def test_flops_leave_out_the_embedding_and_the_experts_a_token_skips(model, skipped_share):
+    import bench_step
+    built, n_all, n_not_computed, _ = bench_step.build_model(model)
+    experts = sum(p.numel() for name, p in built.named_parameters()
+                  if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")))
+    assert (experts > 0) == (skipped_share > 0)
+    assert n_not_computed == built.get_input_embeddings().weight.numel() + experts * skipped_share
+
+
 def test_only_keeps_the_named_subjects_of_each_group():
     (name, model, seq, batch, groups), = parse_sets("default", "dc-z1,compile")
     assert (name, model) == ("default", SETS["default"][0])

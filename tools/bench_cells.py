@@ -1,10 +1,11 @@
 """What tools/bench measures: the models, the subjects and the named cell sets.
 
 A subject is how a training step is run: plain PyTorch (`torch`), `torch.compile` of the model (`compile`), eager
-DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`), or FSDP2 with a
-`torch.compile` per block (`fsdp2`). Every subject trains the same model from the same seed with AdamW (torch's
-fused implementation: the optimizer a PyTorch user would pick; DeepSpeed gets it as the client optimizer) on bf16:
-DeepSpeed and FSDP2 keep fp32 master weights, `torch` and `compile` train bf16 parameters.
+DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`; `dc-zN-bf16` without fp32
+master weights), or FSDP2 with a `torch.compile` per block (`fsdp2`). Every subject trains the same model from the same
+seed with AdamW (torch's fused implementation: the optimizer a PyTorch user would pick; DeepSpeed gets it as the client
+optimizer) on bf16: DeepSpeed and FSDP2 keep fp32 master weights, gradients and optimizer states (`dc-zN-bf16`: bf16
+ones), `torch` and `compile` train bf16 parameters.
 
 A group is run together: its processes warm up side by side on the GPU, then take turns at timed blocks (A B C, A B
 C, ...), so versions of one cell are interleaved while each keeps its compiled code warm. Groups hold subjects of
@@ -21,12 +22,23 @@ MODELS = {
                                        num_attention_heads=16, num_key_value_heads=8, vocab_size=128256)),
     "llama-1.5b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
-    # A CPU-sized model for the tool's own tests.
+    # Qwen2-MoE-style, 16 routed experts of which 2 a token and a shared expert in every layer, Llama 3's vocabulary:
+    # about 0.77B parameters, 0.27B of them computed per token (the input embedding and 14 of 16 experts not).
+    "qwen2-moe": ("Qwen2MoeConfig", dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
+                                         shared_expert_intermediate_size=1408, num_experts=16, num_experts_per_tok=2,
+                                         num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8,
+                                         vocab_size=128256)),
+    # CPU-sized models for the tool's own tests.
     "tiny": ("LlamaConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=128)),
+    "tiny-moe": ("Qwen2MoeConfig", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        vocab_size=128)),
 }
 
-SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z3", "fsdp2")
+SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z3", "dc-z1-bf16",
+            "dc-z3-bf16", "fsdp2")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 
@@ -38,6 +50,12 @@ SETS = {
     "eager-0.5b": ("llama-0.5b", 2048, 1, [["ds-z1"], ["ds-z2"], ["ds-z2-oc"], ["ds-z3"], ["torch"]]),
     # Issue 13's default: DeepCompile against plain torch.compile, 0.5B at seq 2048 (the longest warm-up first).
     "default": ("llama-0.5b", 2048, 1, [["dc-z3"], ["dc-z1"], ["compile"]]),
+    # The default's DeepCompile subjects with bf16 master weights, gradients and optimizer states
+    # (`bf16_master_weights_and_grads`, `bf16_optimizer_states`): the precision `compile` trains in. Run it with
+    # `default`, whose `compile` it is compared with.
+    "bf16-states": ("llama-0.5b", 2048, 1, [["dc-z3-bf16"], ["dc-z1-bf16"]]),
+    "seq-4096": ("llama-0.5b", 4096, 1, [["dc-z1"], ["compile"], ["dc-z3"]]),
+    "moe": ("qwen2-moe", 2048, 1, [["dc-z3"], ["dc-z1"], ["compile"]]),
     "dense-1.5b": ("llama-1.5b", 2048, 1, [["compile"], ["dc-z1"], ["dc-z3"]]),
     "multi-gpu": ("llama-0.5b", 2048, 1, [["fsdp2"], ["dc-z3"], ["ds-z3"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
@@ -70,7 +88,7 @@ def parse_sets(names, only=""):
 
 def flops_per_token(n_params_no_embedding, layers, hidden, seq):
     """Training FLOPs per token: 6 N (forward and backward of every weight matrix; N counts every parameter except
-    the input embedding table, whose lookup multiplies nothing, the output head included) plus 12 L h s for the
-    attention scores and their weighted sums (L layers, hidden size h, sequence length s; causal masking not
-    discounted), as in the PaLM paper's appendix B."""
+    the input embedding table, whose lookup multiplies nothing, and the experts a token is not routed to, the output
+    head included) plus 12 L h s for the attention scores and their weighted sums (L layers, hidden size h, sequence
+    length s; causal masking not discounted), as in the PaLM paper's appendix B."""
     return 6 * n_params_no_embedding + 12 * layers * hidden * seq

@@ -138,14 +138,30 @@ def build_model(name):
     n_all = sum(p.numel() for p in model.parameters())
     n_embed = model.get_input_embeddings().weight.numel()
     shape = (config.num_hidden_layers, config.hidden_size)
-    return model, n_all, n_embed, shape
+    return model, n_all, n_embed + inactive_expert_params(model), shape
 
 
-def ds_config(stage, deepcompile, overlap_comm, micro_batch):
+def inactive_expert_params(model):
+    """Parameters of the experts a token does not go through: (E - k) / E of the routed experts' parameters (E experts,
+    k chosen per token); 0 for a dense model. A shared expert every token uses is not a routed one."""
+    config = model.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    chosen = getattr(config, "num_experts_per_tok", None)
+    if not experts or not chosen:
+        return 0
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return routed * (experts - chosen) // experts
+
+
+def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False):
     zero = {"stage": stage}
     if stage in (1, 2):
         zero["overlap_comm"] = overlap_comm
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+    bf16 = {"enabled": True}
+    if bf16_states:
+        # What `compile` trains with: no fp32 master weights, gradients or optimizer states.
+        bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "bf16": bf16,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
             "wall_clock_breakdown": False, **({"compile": {"deepcompile": True}} if deepcompile else {})}
 
@@ -187,7 +203,7 @@ def make_step(subject, model, dev, batch):
         return step, None
     import deepspeed
     kind, stage = subject.split("-")[:2]
-    cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0])
+    cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0], subject.endswith("-bf16"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     if kind == "dc":
@@ -224,7 +240,7 @@ def main():
             write(base + ".ready", {"peak_tflops": matmul_peak(dev)})
             return
         import transformers
-        model, n_all, n_embed, (layers, hidden) = build_model(args.model)
+        model, n_all, n_not_computed, (layers, hidden) = build_model(args.model)
         torch.manual_seed(1)
         ids = torch.randint(3, model.config.vocab_size, (args.batch, args.seq), device=dev)
         if dev.type == "cuda":
@@ -245,7 +261,7 @@ def main():
         warm = time.perf_counter() - t0
         world = int(os.environ.get("WORLD_SIZE", "1"))
         info = {"first_step_s": first, "warmup_s": warm, "warmup_steps": warmup, "params": n_all,
-                "flops_per_step": flops_per_token(n_all - n_embed, layers, hidden, args.seq) * args.batch * args.seq,
+                "flops_per_step": flops_per_token(n_all - n_not_computed, layers, hidden, args.seq) * args.batch * args.seq,
                 "tokens_per_step": args.batch * args.seq * world, "world_size": world,
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
