@@ -37,7 +37,7 @@ MODELS = {
                                         vocab_size=128)),
 }
 
-SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z3", "dc-z1-bf16",
+SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2", "dc-z3", "dc-z1-bf16",
             "dc-z3-bf16", "fsdp2")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
@@ -56,6 +56,7 @@ SETS = {
     "bf16-states": ("llama-0.5b", 2048, 1, [["dc-z3-bf16"], ["dc-z1-bf16"]]),
     "seq-4096": ("llama-0.5b", 4096, 1, [["dc-z1"], ["compile"], ["dc-z3"]]),
     "moe": ("qwen2-moe", 2048, 1, [["dc-z3"], ["dc-z1"], ["compile"]]),
+    "zero2": ("llama-0.5b", 2048, 1, [["dc-z2"], ["ds-z2"], ["compile"]]),
     "dense-1.5b": ("llama-1.5b", 2048, 1, [["compile"], ["dc-z1"], ["dc-z3"]]),
     "multi-gpu": ("llama-0.5b", 2048, 1, [["fsdp2"], ["dc-z3"], ["ds-z3"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
