@@ -5,21 +5,22 @@ identical data, reports every loss and every step's global gradient norm, and pr
 many times DeepCompile's ops (`dc::reduce_grad`, `dc::end_backward`) call each aten op directly, so that the work of a
 bucket's flush can be told from the work of a gradient.
 
-Each rank writes a JSON report to $DIST_RESULT_DIR/rank<RANK>.json.
+Each rank writes a JSON report to $DIST_RESULT_DIR/rank<RANK>.json (founding_common.run_worker).
 """
 
 import argparse
 import collections
-import json
+import faulthandler
 import os
 import sys
-import traceback
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ds_configs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from founding_common import describe, run_worker, setup_device  # noqa: E402
+import ds_configs  # noqa: E402
 
 HIDDEN = 256
 MICRO_BATCH = 4
@@ -96,35 +97,20 @@ def train(layers, deepcompile, rank, device):
     return rec
 
 
-def main():
+def main(report):
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--deadline", type=float, default=240)
     args = parser.parse_args()
+    faulthandler.dump_traceback_later(args.deadline, exit=True)
 
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    import deepspeed
-    deepspeed.init_distributed()
-
-    report = {"rank": rank, "layers": args.layers, "error": None, "deepspeed_version": deepspeed.__version__,
-              "torch_version": torch.__version__}
-    path = os.path.join(os.environ["DIST_RESULT_DIR"], f"rank{rank}.json")
-    try:
-        for name, deepcompile in (("eager", False), ("deepcompile", True)):
-            report[name] = train(args.layers, deepcompile, rank, device)
-            torch.cuda.empty_cache()
-    except BaseException:
-        report["error"] = traceback.format_exc()
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"[rank {rank}] worker failed:\n{report['error']}", file=sys.stderr, flush=True)
-        os._exit(1)
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
-    torch.distributed.destroy_process_group()
+    device = setup_device()
+    describe(report)
+    report["layers"] = args.layers
+    for name, deepcompile in (("eager", False), ("deepcompile", True)):
+        report[name] = train(args.layers, deepcompile, report["rank"], device)
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main()
+    run_worker("dc_z1_reduce_ops", main)
