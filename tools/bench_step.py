@@ -261,7 +261,8 @@ def main():
         warm = time.perf_counter() - t0
         world = int(os.environ.get("WORLD_SIZE", "1"))
         info = {"first_step_s": first, "warmup_s": warm, "warmup_steps": warmup, "params": n_all,
-                "flops_per_step": flops_per_token(n_all - n_not_computed, layers, hidden, args.seq) * args.batch * args.seq,
+                "flops_per_step": (flops_per_token(n_all - n_not_computed, layers, hidden, args.seq) * args.batch
+                                   * args.seq),
                 "tokens_per_step": args.batch * args.seq * world, "world_size": world,
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
