@@ -142,6 +142,16 @@ def cells(fp16=True):
     return {**{name(c): c for c in covering_cells(fp16)}, **TRAINER_CELLS}
 
 
+def stage_cells(precision):
+    """{name: cell} of one configuration at each ZeRO stage that takes it, in stage order: the same training, which
+    every stage must give up to rounding (tests/test_zero_stages_agree.py; reports of ZeRO-2 gradient norms unlike
+    ZeRO-1's and ZeRO-3's are upstream #7718 and #4298). HF's documented blocks' options, gradient accumulation 2, clipping 1.0."""
+    base = dict(precision=precision, overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
+                multi_rank_bucket_allreduce=True, grad_accum=2, clip=1.0, frozen=False, offload="none", model="dense")
+    staged = [normalize(dict(base, stage=stage)) for stage in FACTORS["stage"]]
+    return {name(c): c for c in staged if c is not None}
+
+
 def control(fp16=True):
     """The cell the suite's tests perturb (tools/zero-diff --perturb), which must then differ, or the comparison sees
     nothing: the first ZeRO-2 cell in bf16 with gradient accumulation, so that both micro-batches and the step run
