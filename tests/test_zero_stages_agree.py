@@ -9,8 +9,10 @@ suite's worker on 2 CPU processes (gloo), with the fork installed here, and are 
 Tolerances are several times the largest difference measured on this machine (torch 2.11): in fp32, 1.2e-7 (gradients
 reduced in another order; ZeRO-3's norm differs from ZeRO-1/2's in the 8th digit); in bf16, 2.6e-4 for ZeRO-2 and
 ZeRO-3 over all steps. ZeRO-0 is compared over the first step only, before any update: there it agrees to 1.2e-7,
-but after its first update its bf16 losses move up to 7.5e-3 away from ZeRO-1's (why is not examined yet), and in
-fp32 it reports no norm (the engine clips without keeping it).
+but after its first update its bf16 losses move up to 7.5e-3 away from ZeRO-1's: its mixed-precision wrapper
+(FP16_UnfusedOptimizer) steps the client optimizer once with zero gradients when it is built, so Adam's first real
+update runs with the bias correction of step 2 (0.744 of the step size; 0.19.8 alike; docs/eager-zero-audit.md).
+In fp32 ZeRO-0 reports no norm (the engine clips without keeping it).
 """
 
 import os
