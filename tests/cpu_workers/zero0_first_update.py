@@ -1,0 +1,93 @@
+"""Worker for tests/test_zero0_optimizer_starts_at_step_zero.py: what ZeRO-0's mixed-precision wrapper does to the
+client optimizer before training, on CPU.
+
+One process, world size 1, gloo, DS_ACCELERATOR=cpu, bf16 (the CPU accelerator has no fp16; bf16 without ZeRO and a
+torch optimizer is wrapped by FP16_UnfusedOptimizer, as fp16 is). A 16-16-1 MLP with torch's AdamW (lr 1e-2) trains
+3 steps on one batch with ZeRO-0 and with ZeRO-1, and by hand (bf16 forward and backward, fp32 master weights
+stepped by AdamW, copied back to bf16): the reference both should equal. Recorded per run: the optimizer's step count
+and how far the master weights moved between the engine's construction and the first training step, and the 3
+losses. Prints one line "ZERO0_FIRST_UPDATE <json>".
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import ensure_dist_env  # noqa: E402
+
+LR, WEIGHT_DECAY, STEPS = 1e-2, 0.1, 3
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def batch():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(4, 16, generator=gen).bfloat16(), torch.randn(4, 1, generator=gen).bfloat16()
+
+
+def loss_of(out, y):
+    return (out - y).float().pow(2).mean()
+
+
+def engine_run(stage):
+    import deepspeed
+    net = model()
+    initial = [p.detach().bfloat16().float() for p in net.parameters()]
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+              "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    inner = engine.optimizer.optimizer
+    steps = sorted({float(s["step"]) for s in inner.state.values() if "step" in s})
+    masters = [p for group in inner.param_groups for p in group["params"]]
+    flat_initial = torch.cat([w.flatten() for w in initial])
+    # ZeRO-1's master is one flat partition, padded at its end; at world size 1 it holds the parameters in order.
+    flat_masters = torch.cat([m.detach().float().flatten() for m in masters])[:flat_initial.numel()]
+    moved = (flat_masters - flat_initial).abs().max().item()
+    x, y = batch()
+    losses = []
+    for _ in range(STEPS):
+        loss = loss_of(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"optimizer": type(engine.optimizer).__name__, "steps_before_training": steps,
+            "masters_moved_before_training": moved, "losses": losses}
+
+
+def reference_run():
+    net = model().bfloat16()
+    masters = [p.detach().float().clone().requires_grad_(True) for p in net.parameters()]
+    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY)
+    x, y = batch()
+    losses = []
+    for _ in range(STEPS):
+        loss = loss_of(net(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        for p, master in zip(net.parameters(), masters):
+            master.grad, p.grad = p.grad.float(), None
+        opt.step()
+        with torch.no_grad():
+            for p, master in zip(net.parameters(), masters):
+                p.copy_(master)
+    return {"losses": losses}
+
+
+def main():
+    ensure_dist_env()
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = {"zero0": engine_run(0), "zero1": engine_run(1), "reference": reference_run()}
+    print("ZERO0_FIRST_UPDATE " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
