@@ -10,13 +10,12 @@ back, not ordered after the reduction still reading it; without overlap_comm, no
 cases and the single-stream controls have none, on every version. The GPU test shows the wrong gradients.
 """
 
-import importlib.util
-import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import cpu_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "gpu", "workers"))
@@ -27,20 +26,8 @@ PREFIX = "STREAM_ORDER_SIM "
 
 def run_sim(tmp_path_factory, accelerator, cases=()):
     """The simulator's report, and everything it printed."""
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not importable")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", STREAM_ORDER_SIM_ACCELERATOR=accelerator)
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "stream_order_sim.py"), *cases],
-                          capture_output=True,
-                          text=True,
-                          env=env,
-                          cwd=str(tmp_path_factory.mktemp("sim")),
-                          timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len(PREFIX):]), proc.stdout + proc.stderr
+    return cpu_worker.run(os.path.join(HERE, "stream_order_sim.py"), cases, PREFIX, tmp_path_factory.mktemp("sim"),
+                          timeout=900, STREAM_ORDER_SIM_ACCELERATOR=accelerator)
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,11 @@ Not fixed yet: these tests are strict expected failures for ZeRO-0, so that the 
 its author removes the marks. The ZeRO-1 checks guard the reference.
 """
 
-import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+
+import cpu_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cpu_workers", "zero0_first_update.py")
@@ -28,16 +26,7 @@ DEFECT = pytest.mark.xfail(strict=True, raises=AssertionError, reason="ZeRO-0's 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, WORKER], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=str(tmp_path_factory.mktemp("zero0_first_update")))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    out = json.loads(lines[-1][len(PREFIX):])
+    out, _ = cpu_worker.run(WORKER, [], PREFIX, tmp_path_factory.mktemp("zero0_first_update"), timeout=300)
     assert out["zero0"]["optimizer"] == "FP16_UnfusedOptimizer", out["zero0"]
     return out
 

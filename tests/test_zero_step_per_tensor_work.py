@@ -9,7 +9,6 @@ each case; deepspeed is imported in processes of its own, never here (see tests/
 """
 
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -17,6 +16,8 @@ import sys
 import textwrap
 
 import pytest
+
+import cpu_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cpu_workers", "zero_step_checks.py")
@@ -28,25 +29,9 @@ PREFIX = "ZERO_STEP_CHECKS "
 SMALL, LARGE = 12, 24
 
 
-def cpu_env():
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 def run_worker(tmp_path_factory, layers, cases=()):
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed")
-    proc = subprocess.run([sys.executable, WORKER, "--layers", str(layers), *cases],
-                          capture_output=True,
-                          text=True,
-                          env=cpu_env(),
-                          cwd=str(tmp_path_factory.mktemp("zero_step")),
-                          timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len(PREFIX):])["cases"]
+    report, _ = cpu_worker.run(WORKER, ["--layers", str(layers), *cases], PREFIX, tmp_path_factory.mktemp("zero_step"))
+    return report["cases"]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +121,7 @@ def run_utils(code):
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
                           capture_output=True,
                           text=True,
-                          env=cpu_env(),
+                          env=cpu_worker.cpu_env(),
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
