@@ -20,8 +20,9 @@ import cpu_worker
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "cpu_workers", "zero0_first_update.py")
 PREFIX = "ZERO0_FIRST_UPDATE "
-DEFECT = pytest.mark.xfail(strict=True, raises=AssertionError, reason="ZeRO-0's FP16_UnfusedOptimizer steps the optimizer once when built "
-                           "(0.19.8 alike); not fixed yet (docs/eager-zero-audit.md)")
+DEFECT = pytest.mark.xfail(strict=True, raises=AssertionError,
+                           reason="ZeRO-0's FP16_UnfusedOptimizer steps the optimizer once when built (0.19.8 alike); "
+                           "not fixed yet (docs/eager-zero-audit.md)")
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,8 @@ def cells(fp16=True):
 def stage_cells(precision):
     """{name: cell} of one configuration at each ZeRO stage that takes it, in stage order: the same training, which
     every stage must give up to rounding (tests/test_zero_stages_agree.py; reports of ZeRO-2 gradient norms unlike
-    ZeRO-1's and ZeRO-3's are upstream #7718 and #4298). HF's documented blocks' options, gradient accumulation 2, clipping 1.0."""
+    ZeRO-1's and ZeRO-3's are upstream #7718 and #4298). HF's documented blocks' options, gradient accumulation 2,
+    clipping 1.0."""
     base = dict(precision=precision, overlap_comm=True, contiguous_gradients=True, reduce_scatter=True,
                 multi_rank_bucket_allreduce=True, grad_accum=2, clip=1.0, frozen=False, offload="none", model="dense")
     staged = [normalize(dict(base, stage=stage)) for stage in FACTORS["stage"]]
