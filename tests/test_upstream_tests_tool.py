@@ -614,6 +614,31 @@ def test_ledger_runs_resume_from_the_recorded_shards(fake):
     assert res.returncode == 2 and "is not the tests/ the ledger's shards were cut from" in res.stderr
 
 
+def test_shards_run_together_are_judged_and_recorded_one_by_one(fake):
+    """--together runs the next shards in one pass (so xdist workers never idle at a shard's end) and must still
+    leave each shard its own summary with exactly its node ids, recordable in the ledger like a shard run alone."""
+    path, runs = fake / "ledger.json", fake / "runs"
+    res, _ = run_tool(fake, "--ledger", str(path), "--init", "3", "--commit", "f" * 40)
+    assert res.returncode == 0, res.stdout + res.stderr
+    shards = ledger.load(str(path))["matrices"]["cpu"]["shards"]
+    res, _ = run_tool(fake, "--ledger", str(path), "--together")
+    assert res.returncode == 2 and "--together needs --ledger and --next" in res.stderr
+    res, _ = run_tool(fake, "--ledger", str(path), "--next", "2", "--together", "--summary-dir", str(runs))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "fork shards [1, 2] of 3 together: 6 node ids" in res.stdout and res.stdout.count("=== upstream-tests") == 2
+    assert sorted(os.listdir(runs)) == ["fork-cpu-1.json", "fork-cpu-2.json"]
+    for k in (1, 2):
+        with open(runs / f"fork-cpu-{k}.json") as f:
+            summary = json.load(f)
+        assert sorted(r["nodeid"] for r in summary["tests"]) == sorted(shards[k - 1])
+        assert sum(summary["counts"].values()) == len(shards[k - 1]) and summary["together"] == [1, 2]
+    rec = subprocess.run([sys.executable, TOOL, "--ledger", str(path), "--record", str(runs)], capture_output=True,
+                         text=True)
+    assert rec.returncode == 0 and "cpu fork shard 2: passed" in rec.stdout, rec.stdout + rec.stderr
+    st = subprocess.run([sys.executable, TOOL, "--ledger", str(path), "--status"], capture_output=True, text=True)
+    assert "(one run of shards 1, 2)" in st.stdout and "| `cpu` | fork | 2 of 3 |" in st.stdout, st.stdout
+
+
 # --- master ports: one range per xdist worker -------------------------------------------------------------------
 
 
@@ -685,5 +710,5 @@ def test_launched_script_cut_by_the_run_limit_has_no_result(monkeypatch, tmp_pat
     now = cli.time.time()
     deadline = now + (60 if run_limit_first else 10 * cli.LAUNCH_TIMEOUT)
     outcome, got, _ = cli.run_launched("torch_compile/test_compile.py::launcher[ds_config_z2.json]", str(tmp_path),
-                                       {}, 2, str(tmp_path), deadline)
+                                       {}, 2, str(tmp_path / "launcher.log"), deadline)
     assert (outcome, got) == ("failed", message)

@@ -18,7 +18,8 @@ that comes back, so each loan resumes where the last stopped. Layout (docs/upstr
 RESULT: state (passed: every test as expected; failed: an unexpected result; incomplete: tests without a
 result, e.g. cut off by the wall-clock limit; an incomplete result never replaces a complete one), the
 verdict counts, host, date, seconds, deepspeed and torch versions, xdist workers, and `failures`: one
-[node id, verdict, message] per test that failed (listed or not) or passed unexpectedly.
+[node id, verdict, message] per test that failed (listed or not) or passed unexpectedly; `together`: the shards
+run in one pass with it (--together), whose wall time `seconds` then is.
 
 Upstream 0.19.8 runs only where the fork fails: its shard I is the fork's shard I narrowed to the node ids
 that failed there, and exists once the fork's shard I has a complete result with a failure.
@@ -225,7 +226,7 @@ def result_of(summary):
     return dict({"state": state}, **counts, host=summary.get("host", ""), date=summary.get("date", ""),
                 seconds=summary.get("seconds", 0), deepspeed=summary.get("info", {}).get("deepspeed", ""),
                 torch=summary.get("info", {}).get("torch", ""), workers=summary.get("workers", 0),
-                failures=failures)
+                failures=failures, **({"together": summary["together"]} if summary.get("together") else {}))
 
 
 def check(ledger, summary, source="<summary>"):
@@ -308,7 +309,9 @@ def status(ledger):
                 if r:
                     cells.append(f"{r['state']}: {r['passed']} passed, {r['xfailed']} listed, {r['failed']} "
                                  f"unexpected, {r['skipped']} skipped; {r['host']}, {r['date']}, {r['seconds']} s, "
-                                 f"{r['deepspeed']}, {r['workers']} workers")
+                                 f"{r['deepspeed']}, {r['workers']} workers"
+                                 + (f" (one run of shards {', '.join(map(str, r['together']))})"
+                                    if r.get("together") else ""))
                 elif target == "fork" or selection(ledger, name, target, k):
                     cells.append("not run")
                 else:
