@@ -277,15 +277,18 @@ def main():
             info["peak_reserved"] = torch.cuda.max_memory_reserved(dev)
         if rank == 0:
             write(base + ".ready", info)
-        k = 0
+        k, profiled = 0, False
         while True:
-            got = wait_for([f"{base}.go.{k}", base + ".profile", base + ".stop"])
+            # Every rank reads the same request files and leaves them in place (a rank removing one would hide it
+            # from the others, which would then wait in another step's collectives): the profile request is taken
+            # once.
+            got = wait_for([f"{base}.go.{k}", base + ".stop"] + ([] if profiled else [base + ".profile"]))
             if got.endswith(".stop"):
                 break
             if got.endswith(".profile"):
+                profiled = True
                 with open(got) as f:
                     trace = f.read().strip()
-                os.remove(got)
                 summary = profile_steps(step, dev, PROFILED_STEPS, trace if rank == 0 else None)
                 if rank == 0:
                     write(base + ".prof", summary)
