@@ -1,5 +1,6 @@
-"""The zoo's knobs for a run split over two commands (tests/gpu/test_model_zoo.py): ZOO_CELLS picks the cells of
-the second, ZOO_REPLAY merges both runs' summaries for the checks. Checked on CPU, where the zoo itself skips."""
+"""The zoo's knobs (tests/gpu/test_model_zoo.py): ZOO_CELLS picks the cells of a second run of a split one, ZOO_REPLAY
+merges both runs' summaries for the checks, ZOO_RANKS runs every cell on several ranks. Checked on CPU, where the zoo
+itself skips."""
 
 import json
 import os
@@ -9,6 +10,10 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
 import test_model_zoo as zoo  # noqa: E402
+from dist import DistResult  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu", "workers"))
+import zoo_cell  # noqa: E402
 
 
 def test_zoo_cells_runs_only_the_matching_cells(monkeypatch):
@@ -32,3 +37,65 @@ def test_replay_merges_runs_the_later_cell_winning(tmp_path):
     second.write_text(json.dumps({"cells": {"cell/llama/3/deepcompile": {"ok": True}}}))
     cells = zoo._replayed(f"{first}:{second}")
     assert cells == {("cell", "llama", 3, "deepcompile"): {"ok": True}, ("cell", "llama", 1, "eager"): {"ok": True}}
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    monkeypatch.setattr(zoo, "RANKS", 2)
+    monkeypatch.setattr(zoo, "Z2_VARIANTS", ("2+oc", "2-cg", "2+oc-cg"))
+    monkeypatch.delenv("ZOO_CELLS", raising=False)
+    monkeypatch.delenv("ZOO_MODELS", raising=False)
+
+
+def test_two_ranks_run_every_cell_on_both_and_zero2_with_its_reduction_options(two_ranks, tmp_path):
+    cells = zoo._cells()
+    for stage in ("2+oc", "2-cg", "2+oc-cg"):
+        assert {("cell", "llama", stage, "deepcompile"), ("cell", "llama", stage, "eager")} <= set(cells), stage
+        assert not any(c[2] == stage for c in cells if c[1] != "llama"), "variants are the Llama row's only"
+    assert all(zoo._job(c, str(tmp_path)).nprocs == 2 for c in cells)
+
+
+def _result(*reached):
+    reports = {r: {"cells": {"2+oc": {"reached": x, "losses": [1.0]}}, "error": None} for r, x in enumerate(reached)}
+    return DistResult(returncode=0, timed_out=False, duration_s=1.0, output="", results=reports)
+
+
+def test_a_cell_is_done_only_when_every_rank_finished_its_loop(two_ranks):
+    key = ("cell", "llama", "2+oc", "deepcompile")
+    done = zoo._summaries(key, _result("done", "done"))[key]
+    assert done["ok"] and len(zoo._ranks({key: done}, key)) == 2
+    stuck = zoo._summaries(key, _result("done", "train micro-batch 3"))[key]
+    assert not stuck["ok"] and stuck["reached"] == ["done", "train micro-batch 3"]
+
+
+@pytest.mark.parametrize("name,parsed", [
+    ("1", (1, {})), ("3", (3, {})), ("2+oc", (2, {"overlap_comm": True})), ("2-cg", (2, {"contiguous_gradients": False})),
+    ("2+oc-cg", (2, {"overlap_comm": True, "contiguous_gradients": False})),
+    ("4", None), ("3+oc", None), ("2+oc+oc", None), ("2x", None), ("", None)])
+def test_stage_names_give_zero_options_or_a_clear_error(name, parsed):
+    if parsed is None:
+        with pytest.raises(ValueError, match="1, 2, 3, or 2 with"):
+            zoo_cell.zero_stage(name)
+    else:
+        assert zoo_cell.zero_stage(name) == parsed
+        cfg = zoo_cell.ds_config(name, "deepcompile")["zero_optimization"]
+        assert cfg["stage"] == parsed[0] and all(cfg[k] == v for k, v in parsed[1].items())
+
+
+def test_each_rank_gets_micro_batches_of_its_own_length_and_padding(monkeypatch):
+    seen = {}
+    for rank in range(2):
+        monkeypatch.setattr(zoo_cell, "RANK", rank)
+        monkeypatch.setattr(zoo_cell, "WORLD", 2)
+        batches = [zoo_cell.make_batch(i) for i in range(sum(len(v) if isinstance(v, list) else 1
+                                                             for v in zoo_cell.plan().values()))]
+        seen[rank] = [(b["input_ids"].shape[1], int(b["attention_mask"].sum())) for b in batches]
+    lengths = [n for r in seen.values() for n, _ in r]
+    assert len(set(lengths)) == len(lengths), "a length appears twice across micro-batches and ranks"
+    assert all(a[1] != b[1] for a, b in zip(seen[0], seen[1])), "the ranks' micro-batches hold the same token counts"
+    monkeypatch.setattr(zoo_cell, "RANK", 0)
+    monkeypatch.setattr(zoo_cell, "WORLD", 1)
+    # One rank keeps the lengths of the recorded one-GPU runs.
+    assert zoo_cell.make_batch(3)["input_ids"].shape[1] == zoo_cell.LENGTHS[3]
+    old = [n for n in range(33, 64) if n % 8]
+    assert zoo_cell.LENGTHS[:len(old)] == old

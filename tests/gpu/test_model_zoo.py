@@ -18,6 +18,12 @@ instead of running the cells (any host); several summaries joined by ':' are mer
 an earlier one's. ZOO_CELLS=<regular expression> runs only the cells whose key (kind/model/stage/mode, e.g.
 cell/llama_ckpt/3/deepcompile or cell/qwen2_moe/1,2,3/eager) it matches, with the resumes of those that qualify: a
 second run for the cells a first one could not finish, replayed together with it.
+
+ZOO_RANKS=2 (or 4) runs every cell on that many GPUs, one process a rank (the summary is then
+zoo-<version>-ranks2.json): each rank gets micro-batches of its own lengths and padding in the same step, the checks
+apply to every rank, and the Llama row adds ZeRO-2 with overlap_comm and contiguous_gradients on and off (stages
+2+oc, 2-cg, 2+oc-cg). At any world size the global gradient norm of every step must agree across eager ZeRO-1/2/3 and
+DeepCompile, and every rank's cell has a deadline past which it prints its Python stacks and fails.
 """
 
 import importlib.util
@@ -40,6 +46,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CELL = os.path.join(HERE, "workers", "zoo_cell.py")
 TRAINER = os.path.join(HERE, "workers", "zoo_trainer.py")
 STAGES = (1, 2, 3)
+RANKS = int(os.environ.get("ZOO_RANKS", "1"))
+# ZeRO-2 with its gradient-reduction options changed (workers/zoo_cell.py's stage names), on this row, at several ranks.
+Z2_VARIANTS, Z2_VARIANT_MODEL = (("2+oc", "2-cg", "2+oc-cg") if RANKS > 1 else ()), "llama"
 TRAINER_STAGES = (1, 3)
 PARALLEL = int(os.environ.get("ZOO_PARALLEL", "14"))  # ZOO_MODELS=a,b runs only those rows
 CELL_DEADLINE_S = float(os.environ.get("ZOO_CELL_DEADLINE_S", "360"))
@@ -50,15 +59,29 @@ MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
 RESUME_RTOL = 1e-3
 RESUME_ALL_STAGES = "llama"
 EAGER_STAGES = ",".join(map(str, STAGES))
+# The global gradient norm of a step, against eager ZeRO-1's: a stage that reduces gradients wrongly (a missing or
+# doubled division by the world size, #7718) is off by a factor of 2 or more; bf16 rounding moves it by well under 1 %.
+NORM_RTOL_MIN = 1e-2
+
+
+def _stages(model):
+    """The stages (workers/zoo_cell.py's names) a model's DeepCompile and eager cells run."""
+    return STAGES + (Z2_VARIANTS if model == Z2_VARIANT_MODEL else ())
+
+
+def _stage_no(stage):
+    return int(str(stage)[0])
 
 
 def _cells():
     cells = []
     models = [m for m in os.environ.get("ZOO_MODELS", "").split(",") if m] or list(ZOO)
     for model in models:
-        cells += [("cell", model, stage, "deepcompile") for stage in STAGES]
+        cells += [("cell", model, stage, "deepcompile") for stage in _stages(model)]
         # The eager references compile nothing: one process runs the three stages in turn.
         cells += [("cell", model, EAGER_STAGES, "eager"), ("cell", model, 1, "compile")]
+        cells += [("cell", model, v, "eager") for v in _stages(model)[len(STAGES):]]
+    # On several ranks the Trainer's sampler gives each rank other rows, padded to other lengths.
     cells += [("trainer", "llama", stage, mode) for stage in TRAINER_STAGES for mode in ("deepcompile", "eager")]
     only = os.environ.get("ZOO_CELLS")
     if only:
@@ -66,8 +89,8 @@ def _cells():
         assert cells, f"ZOO_CELLS={only!r} matches no cell"
     # Longest first: DeepCompile ZeRO-3 (activation checkpointing compiles the most graphs) and the Trainer; then the
     # spread cells, which every loss check needs, before the quick eager ones.
-    return sorted(cells, key=lambda c: (c[3] != "deepcompile", -max(map(int, str(c[2]).split(","))), "ckpt" not in c[1],
-                                        c[0] != "trainer", c[3] != "compile"))
+    return sorted(cells, key=lambda c: (c[3] != "deepcompile", -max(map(_stage_no, str(c[2]).split(","))),
+                                        "ckpt" not in c[1], c[0] != "trainer", c[3] != "compile"))
 
 
 def _resumed(key):
@@ -75,7 +98,7 @@ def _resumed(key):
     partitioned parameters and DeepCompile resumes past its WARMUP recompile, and the first row at ZeRO-1 and -2
     (ZeRO-1/2 checkpoints do not depend on the model family). Resuming all 27 cells does not fit one 10-minute run."""
     _, model, stage, _ = key
-    return stage == 3 or model == RESUME_ALL_STAGES
+    return stage == 3 or (model == RESUME_ALL_STAGES and stage in STAGES)
 
 
 def _job(key, tmp):
@@ -83,11 +106,11 @@ def _job(key, tmp):
     ckpt = os.path.join(tmp, f"{model}-z{stage}-{mode}")
     args = ["--stage", stage, "--mode", mode, "--deadline", CELL_DEADLINE_S]
     if kind == "trainer":
-        return DistJob(TRAINER, args + ["--out", ckpt], nprocs=1, timeout=CELL_DEADLINE_S + 60, env=ENV)
+        return DistJob(TRAINER, args + ["--out", ckpt], nprocs=RANKS, timeout=CELL_DEADLINE_S + 60, env=ENV)
     args += ["--model", model, "--ckpt", ckpt]
     if kind == "resume":
         args += ["--phase", "resume"]
-    return DistJob(CELL, args, nprocs=1, timeout=CELL_DEADLINE_S + 60, env=ENV)
+    return DistJob(CELL, args, nprocs=RANKS, timeout=CELL_DEADLINE_S + 60, env=ENV)
 
 
 def _run_all(cells, tmp, on_result):
@@ -110,22 +133,33 @@ def _run_all(cells, tmp, on_result):
 
 
 def _summaries(key, res):
-    """One summary per stage the job ran (an eager job runs several), under the key of that stage's cell."""
-    report = res.results.get(0, {})
-    error = report.get("error")
-    stages = [int(s) for s in str(key[2]).split(",")]
+    """One summary per stage the job ran (an eager job runs several), under the key of that stage's cell; on several
+    ranks rank 0's report, with the other ranks' records of the cell under "rank_cells"."""
+    reports = [res.results.get(r, {}) for r in range(RANKS)]
+    report = reports[0]
+    error = next((r["error"] for r in reports if r.get("error")), None)
+    stages = [_key_stage(s) for s in str(key[2]).split(",")]
     out = {}
     for stage in stages:
-        rec = report.get("cells", {}).get(str(stage)) or (report.get("cell", {}) if key[0] == "trainer" else {})
-        ok = res.ok and error is None and (key[0] == "trainer" or rec.get("reached") == "done")
+        recs = [r.get("cells", {}).get(str(stage)) or (r.get("cell", {}) if key[0] == "trainer" else {})
+                for r in reports]
+        rec = recs[0]
+        ok = res.ok and error is None and (key[0] == "trainer" or all(r.get("reached") == "done" for r in recs))
         summary = {"ok": ok, "seconds": rec.get("seconds", round(res.duration_s, 1)),
-                   "report": dict(report, cell=rec, cells=None)}
+                   "report": dict(report, cell=rec, cells=None, rank_cells=recs[1:])}
         if not ok:
             summary["error"] = (error.strip().splitlines()[-1] if error else res.summary())[:300]
             summary["reached"] = rec.get("reached")
             summary["output_tail"] = error if error else res.tail(60)
+        if not ok and len(recs) > 1:
+            summary["reached"] = [r.get("reached") for r in recs]
         out[key[:2] + (stage, ) + key[3:]] = summary
     return out
+
+
+def _key_stage(stage):
+    """A cell key's stage: an int for 1, 2, 3 (the keys of recorded runs), the name for a ZeRO-2 variant."""
+    return int(stage) if str(stage).isdigit() else str(stage)
 
 
 def _replayed(paths):
@@ -135,7 +169,7 @@ def _replayed(paths):
     for path in paths.split(":"):
         with open(path) as f:
             cells.update(json.load(f)["cells"])
-    return {(kind, model, int(stage), mode): res
+    return {(kind, model, _key_stage(stage), mode): res
             for (kind, model, stage, mode), res in ((k.split("/"), v) for k, v in cells.items())}
 
 
@@ -144,7 +178,7 @@ def zoo():
     replay = os.environ.get("ZOO_REPLAY")
     if replay:
         return _replayed(replay)
-    reason = skip_reason(1)
+    reason = skip_reason(RANKS)
     if reason:
         pytest.skip(reason)
     if importlib.util.find_spec("transformers") is None:
@@ -163,9 +197,9 @@ def zoo():
                   f"{'ok' if summary['ok'] else summary['error']}", flush=True)
         if report_dir:  # rewritten after every cell, so that a run cut short still leaves its table
             os.makedirs(report_dir, exist_ok=True)
-            name = "zoo-" + deepspeed.__version__.replace("+", "-") + ".json"
+            name = "zoo-" + deepspeed.__version__.replace("+", "-") + (f"-ranks{RANKS}" if RANKS > 1 else "") + ".json"
             with open(os.path.join(report_dir, name), "w") as f:
-                json.dump({"deepspeed": deepspeed.__version__, "wall_s": round(time.time() - start, 1),
+                json.dump({"deepspeed": deepspeed.__version__, "wall_s": round(time.time() - start, 1), "ranks": RANKS,
                            "cells": {"/".join(map(str, k)): v for k, v in results.items()}}, f, indent=1)
 
     try:
@@ -175,14 +209,19 @@ def zoo():
     return results
 
 
-def _cell(zoo, key):
+def _ranks(zoo, key):
+    """Every rank's record of the cell (one on one GPU), after checking it ran the whole loop."""
     res = zoo.get(key)
     assert res is not None, f"{key} never ran"
     print(json.dumps({k: v for k, v in res.items() if k != "report"}, indent=1))
     assert res["ok"], f"{key}: {res['error']}\n{res.get('output_tail', '')}"
-    rec = res["report"]["cell"]
-    assert rec["reached"] == "done", rec["reached"]
-    return rec
+    recs = [res["report"]["cell"]] + (res["report"].get("rank_cells") or [])
+    assert [r["reached"] for r in recs] == ["done"] * len(recs), [r["reached"] for r in recs]
+    return recs
+
+
+def _cell(zoo, key):
+    return _ranks(zoo, key)[0]
 
 
 def _rel(a, b):
@@ -201,32 +240,61 @@ def _no_new_compiles(name, snapshots):
                            f"{len(snapshots)} micro-batches of new lengths)")
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("model", sorted(ZOO))
+MODEL_STAGES = [(m, s) for m in sorted(ZOO) for s in _stages(m)]
+
+
+@pytest.mark.parametrize("model,stage", MODEL_STAGES)
 def test_deepcompile_runs_the_user_loop_like_eager(zoo, model, stage):
-    eager = _cell(zoo, ("cell", model, stage, "eager"))
-    dc = _cell(zoo, ("cell", model, stage, "deepcompile"))
-    assert dc["deepcompile_active"], "DeepCompile was not active"
+    eagers = _ranks(zoo, ("cell", model, stage, "eager"))
+    dcs = _ranks(zoo, ("cell", model, stage, "deepcompile"))
+    if len(dcs) > 1:  # the ranks' micro-batches of one step have lengths of their own, as each rank's collator pads
+        same = [ls for ls in zip(*(r["lengths"] for r in dcs)) if len(set(ls)) < len(ls)]
+        assert not same, f"ranks trained on micro-batches of the same length: {same}"
     tol = ZOO[model].loss_tol
-    _assert_close("training losses", dc["losses"], eager["losses"], tol)
-    _assert_close("evaluation losses", dc["eval_losses"], eager["eval_losses"], tol)
-    _assert_close("inference logits (mean |logit|)", [dc["eval_logits_mean_abs"]], [eager["eval_logits_mean_abs"]], tol)
-    # Warm: after DeepCompile ZeRO-3 recompiles with prefetching at its WARMUP step (5), the last 3 of 8 steps.
-    warm = dc["mem_before_step"][-3:]
-    assert max(warm) - min(warm) <= MEM_SLACK_B, f"allocated memory before each step grows: {dc['mem_before_step']}"
-    assert not any(dc["gathered_after_step"]), f"ZeRO-3 parameters left gathered after steps: {dc['gathered_after_step']}"
-    # Greedy decoding from the same weights gives the same tokens (every cell of the recorded runs in docs/).
-    assert dc["generated"] and dc["generated"] == eager["generated"], (
-        f"generate(): deepcompile {dc['generated']}, eager {eager['generated']}")
+    for rank, (eager, dc) in enumerate(zip(eagers, dcs)):
+        at = f"rank {rank}: " if len(dcs) > 1 else ""
+        assert dc["deepcompile_active"], "DeepCompile was not active"
+        _assert_close(at + "training losses", dc["losses"], eager["losses"], tol)
+        _assert_close(at + "evaluation losses", dc["eval_losses"], eager["eval_losses"], tol)
+        _assert_close(at + "inference logits (mean |logit|)", [dc["eval_logits_mean_abs"]],
+                      [eager["eval_logits_mean_abs"]], tol)
+        # Warm: after DeepCompile ZeRO-3 recompiles with prefetching at its WARMUP step (5), the last 3 of 8 steps.
+        warm = dc["mem_before_step"][-3:]
+        assert max(warm) - min(warm) <= MEM_SLACK_B, f"{at}allocated memory before each step grows: {dc['mem_before_step']}"
+        assert not any(dc["gathered_after_step"]), (
+            f"{at}ZeRO-3 parameters left gathered after steps: {dc['gathered_after_step']}")
+        # Greedy decoding from the same weights gives the same tokens (every cell of the recorded runs in docs/).
+        assert dc["generated"] and dc["generated"] == eager["generated"], (
+            f"{at}generate(): deepcompile {dc['generated']}, eager {eager['generated']}")
 
 
-@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("model", sorted(ZOO))
+def test_global_grad_norm_agrees_across_stages_and_modes(zoo, model):
+    """The gradient norm every step clips by, on every rank, for eager ZeRO-1/2/3 and DeepCompile, against eager
+    ZeRO-1's: the same model, data and seed must give the same global norm whatever the stage (#7718, #7749)."""
+    ref = _cell(zoo, ("cell", model, 1, "eager"))
+    if "grad_norms" not in ref:
+        pytest.skip("a recorded run from before the zoo recorded gradient norms")
+    want = ref["grad_norms"]
+    assert want and None not in want, f"eager ZeRO-1 recorded no gradient norm: {want}"
+    rtol = max(NORM_RTOL_MIN, 5 * ZOO[model].loss_tol)
+    for stage in _stages(model):
+        for mode in ("eager", "deepcompile"):
+            for rank, rec in enumerate(_ranks(zoo, ("cell", model, stage, mode))):
+                name = f"{mode} ZeRO-{stage} rank {rank} gradient norms (eager ZeRO-1's as reference)"
+                assert None not in rec["grad_norms"], f"{name}: {rec['grad_norms']}"
+                _assert_close(name, rec["grad_norms"], want, rtol)
+
+
+@pytest.mark.parametrize("model,stage", MODEL_STAGES)
 def test_deepcompile_compiles_are_bounded(zoo, model, stage):
     """New sequence lengths compile no more graphs under DeepCompile than under plain torch.compile (which makes the
     changing dimension dynamic), and once warm none at all."""
-    dc = _cell(zoo, ("cell", model, stage, "deepcompile"))
-    plain = _cell(zoo, ("cell", model, 1, "compile"))
+    for dc, plain in zip(_ranks(zoo, ("cell", model, stage, "deepcompile")), _ranks(zoo, ("cell", model, 1, "compile"))):
+        _compiles_are_bounded(dc, plain)
+
+
+def _compiles_are_bounded(dc, plain):
     n1, after = len(zoo_models_plan()["train"]), len(zoo_models_plan()["after"])
     # Up to the end of evaluation; DeepCompile ZeRO-3 then recompiles everything once, by design, at its WARMUP step.
     for name, upto in (("compiles", n1), ("eval_compiles", None)):
@@ -252,22 +320,22 @@ def test_deepcompile_compiles_are_bounded(zoo, model, stage):
     assert dc["compiles"][-1]["profiling_runs"] <= 2 * dc["compiles"][-1]["graphs"], dc["compiles"][-1]
 
 
-@pytest.mark.parametrize("model,stage", [(m, s) for m in sorted(ZOO) for s in STAGES
-                                         if _resumed(("cell", m, s, "deepcompile"))])
+@pytest.mark.parametrize("model,stage", [(m, s) for m, s in MODEL_STAGES if _resumed(("cell", m, s, "deepcompile"))])
 def test_deepcompile_resume_from_checkpoint(zoo, model, stage):
-    dc = _cell(zoo, ("cell", model, stage, "deepcompile"))
-    resumed = _cell(zoo, ("resume", model, stage, "deepcompile"))
     after = len(zoo_models_plan()["after"])
     rtol = ZOO[model].loss_tol if "dropout" in model else RESUME_RTOL
-    _assert_close("losses after load_checkpoint", resumed["losses"], dc["losses"][-after:], rtol)
+    for rank, (dc, resumed) in enumerate(zip(_ranks(zoo, ("cell", model, stage, "deepcompile")),
+                                             _ranks(zoo, ("resume", model, stage, "deepcompile")))):
+        _assert_close(f"rank {rank}: losses after load_checkpoint", resumed["losses"], dc["losses"][-after:], rtol)
 
 
 @pytest.mark.parametrize("model", sorted(ZOO))
 def test_loss_tolerance_covers_compile_spread(zoo, model):
     """The tolerance must cover what plain torch.compile of the same engine already moves the losses by."""
-    eager = _cell(zoo, ("cell", model, 1, "eager"))
-    compiled = _cell(zoo, ("cell", model, 1, "compile"))
-    _assert_close("plain compile vs eager losses", compiled["losses"], eager["losses"], ZOO[model].loss_tol)
+    for rank, (eager, compiled) in enumerate(zip(_ranks(zoo, ("cell", model, 1, "eager")),
+                                                 _ranks(zoo, ("cell", model, 1, "compile")))):
+        _assert_close(f"rank {rank}: plain compile vs eager losses", compiled["losses"], eager["losses"],
+                      ZOO[model].loss_tol)
 
 
 @pytest.mark.parametrize("stage", TRAINER_STAGES)

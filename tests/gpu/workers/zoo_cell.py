@@ -2,13 +2,18 @@
 
   python tests/gpu/workers/zoo_cell.py --model llama --stage 3 --mode deepcompile --ckpt DIR [--phase resume]
   python tests/gpu/workers/zoo_cell.py --model llama --stage 1,2,3 --mode eager --ckpt DIR   (the three in turn)
+  torchrun --nproc-per-node 2 tests/gpu/workers/zoo_cell.py ...                            (the same cell on 2 ranks)
+
+A stage is 1, 2 or 3, or ZeRO-2 with its gradient-reduction options changed: `2+oc` (overlap_comm on), `2-cg`
+(contiguous_gradients off), `2+oc-cg`; plain `2` leaves both at DeepSpeed's defaults.
 
 Modes: `eager` (the reference), `compile` (`engine.compile()` without DeepCompile: the spread that sets the loss
 tolerance), `deepcompile` (`"compile": {"deepcompile": true}` and `engine.compile()`).
 
 The loop, bf16, AdamW, gradient accumulation 2, gradient clipping 1.0 (ZOO_GRAD_ACC and ZOO_CLIP change those two
 for diagnosis; the zoo runs the defaults), every micro-batch a new sequence length
-with right padding in its second row (as a collator that pads to the longest sequence gives):
+with right padding in its second row (as a collator that pads to the longest sequence gives); on several ranks each
+rank's micro-batch has a length and a padding of its own in the same step (as each rank's collator gives it):
   train   3 optimizer steps
   eval    engine.eval(): 4 batches under torch.no_grad() with labels, 1 under torch.inference_mode() without labels
           (logits), then engine.train()
@@ -20,7 +25,8 @@ Phase `resume` (a new process, as a user resumes): a fresh engine from a differe
 load_checkpoint, then the `after` steps.
 
 Recorded per micro-batch: loss, sequence length, Dynamo graphs compiled so far and DeepCompile profiling runs so far;
-allocated memory before each optimizer step; ZeRO-3 parameters left gathered after each step; seconds per phase.
+allocated memory before each optimizer step; the global gradient norm of each step (before clipping); ZeRO-3
+parameters left gathered after each step; seconds per phase.
 The report holds one record per stage under "cells" (several stages: eager references, which compile nothing, run
 in one process to save its start-up). The rank writes its JSON report to $DIST_RESULT_DIR/rank<RANK>.json after
 every phase, so a cell that dies leaves its progress. A faulthandler deadline prints every thread's stack and exits
@@ -53,19 +59,40 @@ TRAIN_STEPS, TRAIN2_STEPS, AFTER_STEPS = 3, 3, 2
 # length and become dynamic at the third. The fourth must compile nothing.
 EVAL_BATCHES = 4
 # One length per micro-batch, none a multiple of 8: Inductor specializes on divisibility by 8 (alignment), for plain
-# torch.compile and DeepCompile alike, and the zoo counts compiles caused by new lengths, not by alignment.
-LENGTHS = [n for n in range(33, 64) if n % 8]
+# torch.compile and DeepCompile alike, and the zoo counts compiles caused by new lengths, not by alignment. Rank r of
+# W takes entry index * W + r: one rank keeps the first lengths, several never share one.
+LENGTHS = [n for n in range(33, 128) if n % 8]
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+# ZeRO-2's gradient-reduction options a stage name may change (see the docstring).
+ZERO2_OPTIONS = {"+oc": ("overlap_comm", True), "-cg": ("contiguous_gradients", False)}
+
+
+def zero_stage(name):
+    """(stage, zero_optimization options) of a stage name: "3" -> (3, {}), "2+oc-cg" -> (2, {overlap_comm: True,
+    contiguous_gradients: False}); ValueError for anything else."""
+    stage, rest, options = name[:1], name[1:], {}
+    for flag, (key, value) in ZERO2_OPTIONS.items():
+        if flag in rest:
+            options[key] = value
+            rest = rest.replace(flag, "", 1)
+    if stage not in ("1", "2", "3") or rest or (options and stage != "2"):
+        raise ValueError(f"stage {name!r}: 1, 2, 3, or 2 with +oc and/or -cg")
+    return int(stage), options
 
 
 def ds_config(stage, mode):
+    stage, options = zero_stage(stage)
     return ds_configs.zero(stage, MICRO_BATCH, GRAD_ACC, LR, optimizer="AdamW", deepcompile=mode == "deepcompile",
-                           clip=float(os.environ.get("ZOO_CLIP", "1.0")), stage3_param_persistence_threshold=0)
+                           clip=float(os.environ.get("ZOO_CLIP", "1.0")), stage3_param_persistence_threshold=0,
+                           **options)
 
 
 def make_batch(index, labels=True):
-    """Micro-batch `index`: a length no other micro-batch of the cell has, the second row right-padded."""
-    length = LENGTHS[index]
-    gen = torch.Generator().manual_seed(1000 + index)
+    """Micro-batch `index` of this rank: a length no other micro-batch of the cell has (on any rank), the second row
+    right-padded."""
+    key = index * WORLD + RANK
+    length = LENGTHS[key]
+    gen = torch.Generator().manual_seed(1000 + key)
     # Learnable rows: 16 tokens, each row a chain of one fixed bigram map, so losses fall fast from
     # ln(vocab) and a gradient that is lost or wrong shows in them.
     ids = torch.empty(MICRO_BATCH, length, dtype=torch.long)
@@ -74,7 +101,7 @@ def make_batch(index, labels=True):
         ids[:, t] = (5 * ids[:, t - 1] + 3) % 16
     ids += 3
     mask = torch.ones_like(ids)
-    pad = 1 + index % 8
+    pad = 1 + key % 8
     mask[1, length - pad:] = 0
     ids[1, length - pad:] = 0
     batch = {"input_ids": ids, "attention_mask": mask}
@@ -174,6 +201,9 @@ def train_steps(engine, indices, device, rec, counters, report, phase):
         if boundary:
             rec["mem_before_step"].append(torch.cuda.memory_allocated())
         engine.step()
+        if boundary:
+            norm = engine.get_global_grad_norm()
+            rec["grad_norms"].append(None if norm is None else float(norm))
         rec["losses"].append(loss.item())
         rec["lengths"].append(batch["input_ids"].shape[1])
         rec["compiles"].append(counters.snapshot())
@@ -211,7 +241,8 @@ def generate(engine, device, rec):
 
 def run_cell(args, stage, device, report, counters, reasons):
     rec = report["cell"] = report["cells"][str(stage)] = dict(
-        model=args.model, stage=stage, reached="start", losses=[], lengths=[], compiles=[], mem_before_step=[],
+        model=args.model, stage=stage, reached="start", losses=[], lengths=[], grad_norms=[], compiles=[],
+        mem_before_step=[],
         gathered_after_step=[], eval_losses=[], eval_compiles=[], recompile_reasons=reasons, phase_s={},
         eval_no_grad_batches=EVAL_BATCHES)
     steps = plan()
@@ -269,16 +300,21 @@ def run_cell(args, stage, device, report, counters, reasons):
 def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, choices=sorted(zoo_models.ZOO))
-    ap.add_argument("--stage", required=True, help="1, 2 or 3; eager cells may list several (1,2,3), run in turn")
+    ap.add_argument("--stage", required=True, help="1, 2, 3, 2+oc, 2-cg or 2+oc-cg; eager cells may list several "
+                    "(1,2,3), run in turn")
     ap.add_argument("--mode", required=True, choices=["eager", "compile", "deepcompile"])
     ap.add_argument("--phase", default="train", choices=["train", "resume"])
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (written by train, read by resume)")
     ap.add_argument("--deadline", type=float, default=400, help="seconds before every stack is printed and the cell exits")
     args = ap.parse_args()
-    stages = [int(s) for s in args.stage.split(",")]
-    if not set(stages) <= {1, 2, 3} or (len(stages) > 1 and args.mode != "eager"):
-        ap.error(f"--stage {args.stage}: stages are 1, 2, 3, several only for eager cells (compiled cells would share "
-                 f"one process's Dynamo caches)")
+    stages = args.stage.split(",")
+    try:
+        [zero_stage(s) for s in stages]
+    except ValueError as e:
+        ap.error(str(e))
+    if len(stages) > 1 and args.mode != "eager":
+        ap.error(f"--stage {args.stage}: several stages only for eager cells (compiled cells would share one "
+                 f"process's Dynamo caches)")
     faulthandler.dump_traceback_later(args.deadline, exit=True)
 
     device = setup_device()
