@@ -52,6 +52,22 @@ def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
         assert json.load(f)["traceEvents"], "empty trace"
 
 
+def test_two_ranks_run_the_protocol_and_the_profile_together(tmp_path):
+    """--gpus 2 (torchrun, gloo here): every rank takes each request, the profile included (each rank removed the
+    request file, so a rank could miss it and the profiled rank wait in a collective the other never joined)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    proc = bench("--sets", "tiny", "--only", "ds-z1", "--gpus", "2", "--repeats", "2", "--steps", "2", "--warmup", "1",
+                 "--group-deadline-s", "600", "--budget-s", "700", "--profile", "ds-z1", "--out", str(tmp_path),
+                 timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "bench.json") as f:
+        (row, ) = json.load(f)["rows"]
+    assert "error" not in row, row.get("output_tail")
+    assert row["world_size"] == 2 and row["tokens_per_step"] == 2 * 2 * 32 and len(row["blocks"]) == 2, row
+    assert row["profile"]["host_aten_ops"] > 0 and os.listdir(tmp_path / "traces"), row["profile"]
+
+
 @pytest.mark.parametrize("model,skipped_share", [("tiny", 0), ("tiny-moe", 2 / 4)])
 def test_flops_leave_out_the_embedding_and_the_experts_a_token_skips(model, skipped_share):
     import bench_step
