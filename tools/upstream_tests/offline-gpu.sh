@@ -32,6 +32,8 @@ UT_UP=${UT_UP:-$(echo "$UT_CARRY"/wheels/upstream/deepspeed-*.whl)}
 UT_UP_ARCH=${UT_UP_ARCH:-9.0}
 UT_OPS=${UT_OPS-DeepCompileBuilder FusedAdamBuilder CPUAdamBuilder}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# no internet: a test that downloads from huggingface.co fails at once instead of retrying until its run is cut
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TORCHINDUCTOR_COMPILE_THREADS=1
 T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
