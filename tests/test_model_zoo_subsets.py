@@ -99,3 +99,30 @@ def test_each_rank_gets_micro_batches_of_its_own_length_and_padding(monkeypatch)
     assert zoo_cell.make_batch(3)["input_ids"].shape[1] == zoo_cell.LENGTHS[3]
     old = [n for n in range(33, 64) if n % 8]
     assert zoo_cell.LENGTHS[:len(old)] == old
+
+
+HUNG_WORKER = """\
+import sys, time
+sys.path.insert(0, {workers!r})
+from founding_common import stacks_at_deadline
+
+def wait_for_a_collective_that_never_comes():
+    time.sleep(120)
+
+stacks_at_deadline(2)
+wait_for_a_collective_that_never_comes()
+"""
+
+
+def test_a_hung_cell_keeps_every_ranks_stacks(two_ranks, tmp_path):
+    """The first 2-rank zoo run hung in 10 DeepCompile cells, and the summary kept only the outermost frames of one
+    rank (the tail of an interleaved stderr): every rank's dump, innermost frames first, must reach the summary."""
+    from dist import DistJob
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_WORKER.format(workers=os.path.dirname(zoo_cell.__file__)))
+    res = DistJob(str(script), nprocs=2, timeout=90).start().wait()
+    assert sorted(res.stacks) == [0, 1], (res.stacks, res.tail())
+    key = ("cell", "llama", "2+oc", "deepcompile")
+    summary = zoo._summaries(key, res)[key]
+    assert not summary["ok"] and sorted(summary["stacks"]) == ["0", "1"]
+    assert all("wait_for_a_collective_that_never_comes" in text for text in summary["stacks"].values()), summary

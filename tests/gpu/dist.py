@@ -99,6 +99,8 @@ class DistResult:
     output: str
     results: Dict[int, dict] = field(default_factory=dict)
     command: List[str] = field(default_factory=list)
+    # Each rank's Python stacks, where its deadline passed (workers' founding_common.stacks_at_deadline).
+    stacks: Dict[int, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -232,9 +234,16 @@ class DistJob:
         self._log.seek(0)
         output = self._log.read().decode("utf-8", errors="replace")
         self._log.close()
-        results = {}
+        results, stacks = {}, {}
         result_dir = os.path.join(self._tmp.name, "results")
         for name in sorted(os.listdir(result_dir)):
+            match = re.fullmatch(r"rank(\d+)\.stacks", name)
+            if match:
+                with open(os.path.join(result_dir, name), errors="replace") as f:
+                    text = f.read()
+                if text:
+                    stacks[int(match.group(1))] = text
+                continue
             match = re.fullmatch(r"rank(\d+)\.json", name)
             if not match:
                 continue
@@ -249,7 +258,8 @@ class DistJob:
                           duration_s=duration,
                           output=output,
                           results=results,
-                          command=self.command)
+                          command=self.command,
+                          stacks=stacks)
 
 
 def run_distributed(script: str,

@@ -54,6 +54,7 @@ PARALLEL = int(os.environ.get("ZOO_PARALLEL", "14"))  # ZOO_MODELS=a,b runs only
 CELL_DEADLINE_S = float(os.environ.get("ZOO_CELL_DEADLINE_S", "360"))
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).
+STACKS_CHARS = 8000  # of each rank's stack dump kept in the summary
 MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
 # A resumed engine runs the same compiled code on the same state: its losses match to bf16 rounding.
 RESUME_RTOL = 1e-3
@@ -153,6 +154,8 @@ def _summaries(key, res):
             summary["output_tail"] = error if error else res.tail(60)
         if not ok and len(recs) > 1:
             summary["reached"] = [r.get("reached") for r in recs]
+        if not ok and res.stacks:  # where each rank was when its deadline passed, innermost frames first
+            summary["stacks"] = {str(r): text[:STACKS_CHARS] for r, text in sorted(res.stacks.items())}
         out[key[:2] + (stage, ) + key[3:]] = summary
     return out
 

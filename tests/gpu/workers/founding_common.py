@@ -45,6 +45,17 @@ def finite(values):
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
 
+def stacks_at_deadline(seconds):
+    """Past `seconds`, write every thread's Python stack and exit (faulthandler): a hang becomes a failure with its
+    stacks. Under tests/gpu/dist.py they go to $DIST_RESULT_DIR/rank<RANK>.stacks, which the launcher returns per
+    rank (on a shared stderr the ranks' dumps interleave and an output tail keeps the outermost frames of one);
+    by hand, to stderr."""
+    import faulthandler
+    path = os.environ.get(RESULT_DIR_ENV)
+    out = open(os.path.join(path, f"rank{os.environ.get('RANK', '0')}.stacks"), "w") if path else sys.stderr
+    faulthandler.dump_traceback_later(seconds, exit=True, file=out)
+
+
 class Report(dict):
     """The rank's JSON report; rewritten after every phase so that a rank that dies leaves its progress."""
 

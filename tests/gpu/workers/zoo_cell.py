@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
 
@@ -315,7 +315,7 @@ def main(report):
     if len(stages) > 1 and args.mode != "eager":
         ap.error(f"--stage {args.stage}: several stages only for eager cells (compiled cells would share one "
                  f"process's Dynamo caches)")
-    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    stacks_at_deadline(args.deadline)
 
     device = setup_device()
     describe(report)

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
 from zoo_cell import Counters  # noqa: E402
 import zoo_models  # noqa: E402
 
@@ -57,7 +57,7 @@ def main(report):
     ap.add_argument("--out", required=True)
     ap.add_argument("--deadline", type=float, default=400)
     args = ap.parse_args()
-    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    stacks_at_deadline(args.deadline)
 
     import transformers
     from transformers import Trainer, TrainingArguments
