@@ -220,8 +220,13 @@ def main(report):
         deepspeed.init_distributed(dist_backend="gloo")
         report["device_name"] = "cpu"
     torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        from deepspeed import fork_info
+        patches = [name for name, _ in fork_info.patches]
+    except ImportError:  # upstream's own build
+        patches = []
     report.update(deepspeed_version=deepspeed.__version__, deepspeed_file=deepspeed.__file__,
-                  torch_version=torch.__version__, cells={})
+                  torch_version=torch.__version__, fork_patches=patches, cells={})
     suite = zero_diff_cells.cells(fp16=device.type == "cuda")
     # Cells of one configuration at every stage run only when named (tests/test_zero_stages_agree.py).
     table = {name: cell for precision in zero_diff_cells.FACTORS["precision"]
