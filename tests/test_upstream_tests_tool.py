@@ -623,6 +623,9 @@ def test_shards_run_together_are_judged_and_recorded_one_by_one(fake):
     shards = ledger.load(str(path))["matrices"]["cpu"]["shards"]
     res, _ = run_tool(fake, "--ledger", str(path), "--together")
     assert res.returncode == 2 and "--together needs --ledger and --next" in res.stderr
+    # a ledger shard named by its number alone still runs (the option's check once took the ledger's place)
+    res, _ = run_tool(fake, "--ledger", str(path), "--shard", "3", "--summary-dir", str(fake / "one"))
+    assert res.returncode == 0 and os.listdir(fake / "one") == ["fork-cpu-3.json"], res.stdout + res.stderr
     res, _ = run_tool(fake, "--ledger", str(path), "--next", "2", "--together", "--summary-dir", str(runs))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "fork shards [1, 2] of 3 together: 6 node ids" in res.stdout and res.stdout.count("=== upstream-tests") == 2
