@@ -69,7 +69,8 @@ def test_a_cell_is_done_only_when_every_rank_finished_its_loop(two_ranks):
 
 
 @pytest.mark.parametrize("name,parsed", [
-    ("1", (1, {})), ("3", (3, {})), ("2+oc", (2, {"overlap_comm": True})), ("2-cg", (2, {"contiguous_gradients": False})),
+    ("1", (1, {})), ("3", (3, {})), ("2+oc", (2, {"overlap_comm": True})),
+    ("2-cg", (2, {"contiguous_gradients": False})),
     ("2+oc-cg", (2, {"overlap_comm": True, "contiguous_gradients": False})),
     ("4", None), ("3+oc", None), ("2+oc+oc", None), ("2x", None), ("", None)])
 def test_stage_names_give_zero_options_or_a_clear_error(name, parsed):

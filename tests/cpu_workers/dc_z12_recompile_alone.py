@@ -61,7 +61,8 @@ def main():
         procs = [
             subprocess.Popen([sys.executable, __file__, str(rank), stage], stdout=subprocess.PIPE, text=True,
                              env=dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + int(stage))))
+                                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                      MASTER_PORT=str(port + int(stage))))
             for rank in range(2)
         ]
         ranks = []

@@ -53,8 +53,8 @@ TRAINER_STAGES = (1, 3)
 PARALLEL = int(os.environ.get("ZOO_PARALLEL", "14"))  # ZOO_MODELS=a,b runs only those rows
 CELL_DEADLINE_S = float(os.environ.get("ZOO_CELL_DEADLINE_S", "360"))
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-# Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).
 STACKS_CHARS = 8000  # of each rank's stack dump kept in the summary
+# Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).
 MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
 # A resumed engine runs the same compiled code on the same state: its losses match to bf16 rounding.
 RESUME_RTOL = 1e-3
@@ -263,7 +263,8 @@ def test_deepcompile_runs_the_user_loop_like_eager(zoo, model, stage):
                       [eager["eval_logits_mean_abs"]], tol)
         # Warm: after DeepCompile ZeRO-3 recompiles with prefetching at its WARMUP step (5), the last 3 of 8 steps.
         warm = dc["mem_before_step"][-3:]
-        assert max(warm) - min(warm) <= MEM_SLACK_B, f"{at}allocated memory before each step grows: {dc['mem_before_step']}"
+        assert max(warm) - min(warm) <= MEM_SLACK_B, (
+            f"{at}allocated memory before each step grows: {dc['mem_before_step']}")
         assert not any(dc["gathered_after_step"]), (
             f"{at}ZeRO-3 parameters left gathered after steps: {dc['gathered_after_step']}")
         # Greedy decoding from the same weights gives the same tokens (every cell of the recorded runs in docs/).
@@ -293,7 +294,8 @@ def test_global_grad_norm_agrees_across_stages_and_modes(zoo, model):
 def test_deepcompile_compiles_are_bounded(zoo, model, stage):
     """New sequence lengths compile no more graphs under DeepCompile than under plain torch.compile (which makes the
     changing dimension dynamic), and once warm none at all."""
-    for dc, plain in zip(_ranks(zoo, ("cell", model, stage, "deepcompile")), _ranks(zoo, ("cell", model, 1, "compile"))):
+    for dc, plain in zip(_ranks(zoo, ("cell", model, stage, "deepcompile")),
+                         _ranks(zoo, ("cell", model, 1, "compile"))):
         _compiles_are_bounded(dc, plain)
 
 
