@@ -1,26 +1,30 @@
 """Worker for tests/test_deepcompile_z12_recompiles_alone.py: one rank of two recompiles a graph under DeepCompile
 ZeRO-1/2 while the other goes on to the step's gradient reduction, on CPU (gloo, DS_ACCELERATOR=cpu).
 
+  torchrun --nproc-per-node 2 tests/cpu_workers/dc_z12_recompile_alone.py --stage 1   (tests/gpu/dist.py starts it)
+
 With the HF Trainer's dynamic padding each rank's micro-batch has a length of its own, so Dynamo recompiles on one rank
 and not on another (2xH200, the zoo's Trainer cell: rank 0 profiling a new forward graph, rank 1 in backward reducing
-gradients, both waiting for ever; #7611). Here rank 0 runs DeepCompile's passes over a new graph (run_opt_passes,
-with the ZeRO-1 or ZeRO-2 schedule; the gradient rewrite itself, which needs real parameters, is replaced by the
-identity: what is checked is what DeepCompile does around it) and rank 1 does not; then both all-reduce a gradient
-bucket. Every collective has a 60 s timeout. Prints one line "DC_Z12_RECOMPILE <json>": per stage, the reduced
-bucket's value on each rank or the error that rank raised.
+gradients, both waiting for ever; #7611). Here rank 0 runs DeepCompile's passes over a new graph (run_opt_passes with
+the ZeRO-1 or ZeRO-2 schedule; the gradient rewrite itself, which needs real parameters, is replaced by the identity:
+what is checked is what DeepCompile does around it) and rank 1 does not; then both all-reduce a gradient bucket, with
+a 60 s timeout. Each rank reports the reduced bucket's value (rank<RANK>.json); a profiler collective on rank 0 would
+pair with rank 1's all-reduce instead (gloo aborts the process on the size mismatch; NCCL waits for ever).
 """
 
+import argparse
 import datetime
-import json
 import os
-import socket
-import subprocess
 import sys
 
-PREFIX = "DC_Z12_RECOMPILE "
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import run_worker  # noqa: E402
 
 
-def rank_main(rank, stage):
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", required=True, choices=["1", "2"])
+    args = ap.parse_args()
     import torch
     import deepspeed
     import deepspeed.comm as dist
@@ -30,53 +34,18 @@ def rank_main(rank, stage):
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
     # The profiler puts its collectives' tensors on torch.device(current_device()); the CPU accelerator's is 0.
-    accelerator = deepspeed.accelerator.get_accelerator()
-    accelerator.current_device = lambda: "cpu"
+    deepspeed.accelerator.get_accelerator().current_device = lambda: "cpu"
     z12.add_z1_reduce_fw = lambda gm, *args, **kwargs: gm
-    opt_pass = {"1": z12.add_z1_reduce, "2": z12.add_z2_reduce}[stage]
+    opt_pass = {"1": z12.add_z1_reduce, "2": z12.add_z2_reduce}[args.stage]
     backend.init_schedule([(0, [opt_pass])])
-    out = {}
-    try:
-        if rank == 0:
-            gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
-            x = torch.randn(4, 8)
-            backend.run_opt_passes([opt_pass], gm, 7, [], {7: ProfilingResult()}, lambda: (x, ), 0.0, {}, bwd=False)
-        bucket = torch.full((1024, ), float(rank + 1))
-        dist.all_reduce(bucket)
-        out["reduced"] = bucket[0].item()
-    except Exception as exc:  # noqa: BLE001 (the report says what the rank raised)
-        out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(PREFIX + json.dumps(out), flush=True)
-    os._exit(0)  # a rank left in a broken collective would otherwise wait for the other at exit
-
-
-def main():
-    if len(sys.argv) > 2:
-        return rank_main(int(sys.argv[1]), sys.argv[2])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    report = {}
-    for stage in ("1", "2"):
-        procs = [
-            subprocess.Popen([sys.executable, __file__, str(rank), stage], stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                      MASTER_PORT=str(port + int(stage))))
-            for rank in range(2)
-        ]
-        ranks = []
-        for p in procs:
-            try:
-                stdout, _ = p.communicate(timeout=240)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                stdout, _ = p.communicate()
-            lines = [line for line in stdout.splitlines() if line.startswith(PREFIX)]
-            ranks.append(json.loads(lines[-1][len(PREFIX):]) if lines else {"error": f"no report, exit {p.returncode}"})
-        report[f"zero{stage}"] = ranks
-    print(PREFIX + json.dumps(report), flush=True)
+    if report["rank"] == 0:
+        gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()))
+        x = torch.randn(4, 8)
+        backend.run_opt_passes([opt_pass], gm, 7, [], {7: ProfilingResult()}, lambda: (x, ), 0.0, {}, bwd=False)
+    bucket = torch.full((1024, ), float(report["rank"] + 1))
+    dist.all_reduce(bucket)
+    report["reduced"] = bucket[0].item()
 
 
 if __name__ == "__main__":
-    main()
+    run_worker("dc_z12_recompile_alone", main)
