@@ -127,3 +127,6 @@ def test_a_hung_cell_keeps_every_ranks_stacks(two_ranks, tmp_path):
     summary = zoo._summaries(key, res)[key]
     assert not summary["ok"] and sorted(summary["stacks"]) == ["0", "1"]
     assert all("wait_for_a_collective_that_never_comes" in text for text in summary["stacks"].values()), summary
+    # and every launcher's failure message shows them, for the tests that print only that
+    message = res.failure_message()
+    assert "rank 0's stacks" in message and "rank 1's stacks" in message, message[-2000:]

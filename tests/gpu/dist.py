@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 RESULT_DIR_ENV = "DIST_RESULT_DIR"
+STACKS_CHARS = 8000  # of each rank's stack dump shown in a failure message
 
 BASE_ENV = {
     # NVLink SHARP (multicast) stays off on the shared GPU hosts.
@@ -144,10 +145,12 @@ class DistResult:
         os.makedirs(report_dir, exist_ok=True)
         with open(os.path.join(report_dir, f"{name}.json"), "w") as f:
             json.dump({"summary": self.summary(), "results": {str(k): v for k, v in self.results.items()},
-                       "output_tail": "" if self.ok else self.tail(80)}, f, indent=1)
+                       "output_tail": "" if self.ok else self.tail(80), "stacks": self.stacks}, f, indent=1)
 
     def failure_message(self, lines: int = 60) -> str:
-        return f"{' '.join(self.command)}\n{self.summary()}\n--- output tail ---\n{self.tail(lines)}"
+        stacks = "".join(f"\n--- rank {rank}'s stacks at its deadline ---\n{text[:STACKS_CHARS]}"
+                         for rank, text in sorted(self.stacks.items()))
+        return f"{' '.join(self.command)}\n{self.summary()}\n--- output tail ---\n{self.tail(lines)}{stacks}"
 
 
 class DistJob:

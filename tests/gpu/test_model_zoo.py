@@ -37,7 +37,7 @@ import time
 
 import pytest
 
-from dist import DistJob, skip_reason
+from dist import STACKS_CHARS, DistJob, skip_reason
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zoo_models import ZOO  # noqa: E402
@@ -53,7 +53,6 @@ TRAINER_STAGES = (1, 3)
 PARALLEL = int(os.environ.get("ZOO_PARALLEL", "14"))  # ZOO_MODELS=a,b runs only those rows
 CELL_DEADLINE_S = float(os.environ.get("ZOO_CELL_DEADLINE_S", "360"))
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-STACKS_CHARS = 8000  # of each rank's stack dump kept in the summary
 # Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).
 MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
 # A resumed engine runs the same compiled code on the same state: its losses match to bf16 rounding.

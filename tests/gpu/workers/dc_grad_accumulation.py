@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
 import compile_phases  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
@@ -69,7 +69,7 @@ def main(report):
     ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
     ap.add_argument("--deadline", type=float, default=400)
     args = ap.parse_args()
-    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    stacks_at_deadline(args.deadline)
 
     device = setup_device()
     describe(report)

@@ -10,7 +10,6 @@ Each rank writes a JSON report to $DIST_RESULT_DIR/rank<RANK>.json (founding_com
 
 import argparse
 import collections
-import faulthandler
 import os
 import sys
 
@@ -19,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from founding_common import describe, run_worker, setup_device  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
 import ds_configs  # noqa: E402
 
 HIDDEN = 256
@@ -102,7 +101,7 @@ def main(report):
     parser.add_argument("--layers", type=int, required=True)
     parser.add_argument("--deadline", type=float, default=240)
     args = parser.parse_args()
-    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    stacks_at_deadline(args.deadline)
 
     device = setup_device()
     describe(report)

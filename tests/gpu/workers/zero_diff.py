@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # zoo_models
-from founding_common import run_worker  # noqa: E402
+from founding_common import run_worker, stacks_at_deadline  # noqa: E402
 import zero_diff_cells  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, SEQ, MICRO_BATCH = 64, 32, 3, 8, 2
@@ -204,7 +204,7 @@ def main(report):
     parser.add_argument("--deadline", type=float, default=540)
     parser.add_argument("--perturb", default=None)
     args = parser.parse_args()
-    faulthandler.dump_traceback_later(args.deadline, exit=True)
+    stacks_at_deadline(args.deadline)
     import deepspeed
 
     rank, world_size = report["rank"], report["world_size"]
