@@ -6,7 +6,8 @@ torch optimizer is wrapped by FP16_UnfusedOptimizer, as fp16 is). A 16-16-1 MLP 
 3 steps on one batch with ZeRO-0 and with ZeRO-1, and by hand (bf16 forward and backward, fp32 master weights
 stepped by AdamW, copied back to bf16): the reference both should equal. Recorded per run: the optimizer's step count
 and how far the master weights moved between the engine's construction and the first training step, and the 3
-losses. Prints one line "ZERO0_FIRST_UPDATE <json>".
+losses; the same two for fp16's fused wrapper (FP16_Optimizer) built by hand. Prints one line
+"ZERO0_FIRST_UPDATE <json>".
 """
 
 import json
@@ -62,6 +63,20 @@ def engine_run(stage):
             "masters_moved_before_training": moved, "losses": losses}
 
 
+def fused_wrapper_run():
+    """FP16_Optimizer, ZeRO-0's wrapper for fp16 with DeepSpeed's fused Adam, built by hand: the engine builds it only
+    on an accelerator with fp16 and the fused Adam (CUDA), and its constructor does not depend on the optimizer it
+    wraps. Its master weights are one flat fp32 tensor per group."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    net = model().half()
+    flat_initial = torch.cat([p.detach().float().flatten() for p in net.parameters()])
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    wrapper = FP16_Optimizer(opt, static_loss_scale=1.0, verbose=False)
+    steps = sorted({float(s["step"]) for s in opt.state.values() if "step" in s})
+    moved = (wrapper.fp32_groups_flat[0].detach() - flat_initial).abs().max().item()
+    return {"optimizer": type(wrapper).__name__, "steps_before_training": steps, "masters_moved_before_training": moved}
+
+
 def reference_run():
     net = model().bfloat16()
     masters = [p.detach().float().clone().requires_grad_(True) for p in net.parameters()]
@@ -85,7 +100,7 @@ def main():
     ensure_dist_env()
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
-    out = {"zero0": engine_run(0), "zero1": engine_run(1), "reference": reference_run()}
+    out = {"zero0": engine_run(0), "zero1": engine_run(1), "reference": reference_run(), "fused": fused_wrapper_run()}
     print("ZERO0_FIRST_UPDATE " + json.dumps(out), flush=True)
 
 
