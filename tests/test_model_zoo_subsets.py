@@ -103,21 +103,23 @@ def test_each_rank_gets_micro_batches_of_its_own_length_and_padding(monkeypatch)
 
 
 HUNG_WORKER = """\
-import sys, time
+import os, sys, time
 sys.path.insert(0, {workers!r})
 from founding_common import stacks_at_deadline
 
 def wait_for_a_collective_that_never_comes():
     time.sleep(120)
 
-stacks_at_deadline(2)
+stacks_at_deadline(2 + 4 * int(os.environ["RANK"]))  # rank 1 started its cell later
 wait_for_a_collective_that_never_comes()
 """
 
 
 def test_a_hung_cell_keeps_every_ranks_stacks(two_ranks, tmp_path):
     """The first 2-rank zoo run hung in 10 DeepCompile cells, and the summary kept only the outermost frames of one
-    rank (the tail of an interleaved stderr): every rank's dump, innermost frames first, must reach the summary."""
+    rank (the tail of an interleaved stderr): every rank's dump, innermost frames first, must reach the summary. And
+    a rank whose deadline passes first must not take the others down before they write theirs (2xH200, fork.15:
+    rank 0 left at its deadline, torchrun stopped rank 1, and only rank 0's stacks were kept)."""
     from dist import DistJob
     script = tmp_path / "hung.py"
     script.write_text(HUNG_WORKER.format(workers=os.path.dirname(zoo_cell.__file__)))

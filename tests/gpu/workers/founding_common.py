@@ -45,15 +45,24 @@ def finite(values):
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
 
+# After its deadline a rank lives this long, so that the other ranks, whose deadlines started a little later, write
+# their stacks too: the first rank to leave makes torchrun stop the others (2xH200: rank 1's stacks were lost so).
+DEADLINE_GRACE_S = 30
+
+
 def stacks_at_deadline(seconds):
-    """Past `seconds`, write every thread's Python stack and exit (faulthandler): a hang becomes a failure with its
-    stacks. Under tests/gpu/dist.py they go to $DIST_RESULT_DIR/rank<RANK>.stacks, which the launcher returns per
-    rank (on a shared stderr the ranks' dumps interleave and an output tail keeps the outermost frames of one);
-    by hand, to stderr."""
+    """Past `seconds`, write every thread's Python stack (faulthandler), and DEADLINE_GRACE_S later end the process
+    (SIGALRM, whose default action needs no Python code to run): a hang becomes a failure with every rank's stacks.
+    Under tests/gpu/dist.py they go to $DIST_RESULT_DIR/rank<RANK>.stacks, which the launcher returns per rank (on a
+    shared stderr the ranks' dumps interleave and an output tail keeps the outermost frames of one); by hand, to
+    stderr."""
     import faulthandler
+    import signal
     path = os.environ.get(RESULT_DIR_ENV)
     out = open(os.path.join(path, f"rank{os.environ.get('RANK', '0')}.stacks"), "w") if path else sys.stderr
-    faulthandler.dump_traceback_later(seconds, exit=True, file=out)
+    faulthandler.dump_traceback_later(seconds, exit=False, file=out)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(int(seconds + DEADLINE_GRACE_S + 1))
 
 
 class Report(dict):
