@@ -715,3 +715,31 @@ def test_launched_script_cut_by_the_run_limit_has_no_result(monkeypatch, tmp_pat
     outcome, got, _ = cli.run_launched("torch_compile/test_compile.py::launcher[ds_config_z2.json]", str(tmp_path),
                                        {}, 2, str(tmp_path / "launcher.log"), deadline)
     assert (outcome, got) == ("failed", message)
+
+
+def test_an_incomplete_shard_resumes_with_only_its_node_ids_without_a_result():
+    """2xH200: gpu-compile's 9 shards ran whole three times, each time 34 of 225 node ids cut off by the limit; a
+    later run of an incomplete shard takes only those, and its results complete the shard's."""
+    led = _ledger()
+    cut = "no result: the wall-clock limit killed the run"
+    ledger.record(led, [("first", _shard_summary(led, "fork", 3, {
+        "unit/c.py::t1": ("failed", "xfailed", "E: listed"), "unit/c.py::t2": ("failed", "failed", cut)}))])
+    assert ledger.selection(led, "gpu-zero", "fork", 3) == ["unit/c.py::t2"]
+    assert ledger.pending(led, "gpu-zero", "fork") == [1, 2, 3, 4]
+    # a whole-shard summary no longer matches what the ledger selects: refused, nothing recorded
+    whole = _shard_summary(led, "fork", 3, {n: ("passed", "passed", "") for n in SHARDS[2]})
+    whole["ledger"] = dict(whole["ledger"], selection_sha256=ledger.stamp(_ledger(), "gpu-zero", "fork", 3)[
+        "selection_sha256"])
+    with pytest.raises(ledger.LedgerError, match="only its node ids without a result"):
+        ledger.record(led, [("whole", whole)])
+    rest = _shard_summary(led, "fork", 3, {"unit/c.py::t2": ("passed", "passed", "")})
+    rest["info"]["deepspeed"], rest["seconds"] = "0.19.8+fork.16", 40
+    assert ledger.record(led, [("rest", rest)]) == [("gpu-zero", "fork", 3, "passed (replaces an earlier result)")]
+    r = led["matrices"]["gpu-zero"]["results"]["fork"]["3"]
+    assert (r["state"], r["passed"], r["xfailed"], r["failed"]) == ("passed", 1, 1, 0)
+    assert r["failures"] == [["unit/c.py::t1", "xfailed", "E: listed"]]
+    assert (r["seconds"], r["deepspeed"], r["resumed"]) == (151, "0.19.8+fork.8, 0.19.8+fork.16", 1)
+    assert ledger.selection(led, "gpu-zero", "fork", 3) == SHARDS[2]
+    assert 3 not in ledger.pending(led, "gpu-zero", "fork")
+    assert ledger.selection(led, "gpu-zero", "upstream", 3) == ["unit/c.py::t1"]  # 0.19.8 on what the fork failed
+    assert "resumed 1x" in ledger.status(led)

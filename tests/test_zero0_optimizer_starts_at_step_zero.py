@@ -1,11 +1,11 @@
 """ZeRO-0 with fp16 or bf16 must not step the client optimizer before training (0.19.8 does, with zero gradients).
 
 FP16_UnfusedOptimizer (the wrapper of fp16, or bf16, without ZeRO and with a torch optimizer), and FP16_Optimizer (fp16
-with DeepSpeed's fused Adam) alike, set every gradient to zero and called the optimizer's step() when built. Training then started with the optimizer's step count at
-1: Adam's first update was made with the bias correction of step 2 (0.744 of its size at the default betas), and
-AdamW's weight decay shrank every weight once before any data. ZeRO-1 creates its optimizer state at the first real
-step and trains exactly as a hand-written fp32-master loop does (tests/cpu_workers/zero0_first_update.py;
-docs/eager-zero-audit.md).
+with DeepSpeed's fused Adam) alike, set every gradient to zero and called the optimizer's step() when built. Training
+then started with the optimizer's step count at 1: Adam's first update was made with the bias correction of step 2
+(0.744 of its size at the default betas), and AdamW's weight decay shrank every weight once before any data. ZeRO-1
+creates its optimizer state at the first real step and trains exactly as a hand-written fp32-master loop does
+(tests/cpu_workers/zero0_first_update.py; docs/eager-zero-audit.md).
 
 Patch zero0-mixed-precision-wrapper-does-not-step-at-construction: the wrapper no longer steps; without it the two
 ZeRO-0 tests fail (step count 1 and masters moved 2.5e-4 before training; losses 0.9190, 0.7210 against 0.8578,

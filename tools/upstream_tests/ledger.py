@@ -16,7 +16,9 @@ that comes back, so each loan resumes where the last stopped. Layout (docs/upstr
          "shards": [[node id, ...], ...]}}}        shard I is shards[I - 1]
 
 RESULT: state (passed: every test as expected; failed: an unexpected result; incomplete: tests without a
-result, e.g. cut off by the wall-clock limit; an incomplete result never replaces a complete one), the
+result, e.g. cut off by the wall-clock limit; an incomplete result never replaces a complete one, and the
+fork's next run of an incomplete shard takes only its node ids without a result, whose results are then
+merged into it: counts summed, seconds added, the versions of both runs named), the
 verdict counts, host, date, seconds, deepspeed and torch versions, xdist workers, and `failures`: one
 [node id, verdict, message] per test that failed (listed or not) or passed unexpectedly; `together`: the shards
 run in one pass with it (--together), whose wall time `seconds` then is.
@@ -174,9 +176,17 @@ def matrix_of(ledger, matrix):
     return ledger["matrices"][matrix]
 
 
+NO_RESULT = ("no result", "not collected")
+
+
 def failed_ids(result):
     """Node ids that failed in a result (whether an expected-failures entry lists them or not)."""
     return sorted(nid for nid, verdict, _ in result["failures"] if verdict in ("failed", "xfailed"))
+
+
+def missing_ids(result):
+    """Node ids of a result that got none (cut off by the wall-clock limit, not collected)."""
+    return sorted(nid for nid, _, message in result["failures"] if message.startswith(NO_RESULT))
 
 
 def selection(ledger, matrix, target, k):
@@ -185,6 +195,9 @@ def selection(ledger, matrix, target, k):
     if not 1 <= k <= len(m["shards"]):
         raise LedgerError(f"matrix {matrix} has shards 1 to {len(m['shards'])}, not {k}")
     if target == "fork":
+        mine = m["results"].get("fork", {}).get(str(k))
+        if mine and mine["state"] == "incomplete" and missing_ids(mine):
+            return missing_ids(mine)  # resume: the rest of the shard has its results
         return list(m["shards"][k - 1])
     fork = m["results"].get("fork", {}).get(str(k))
     if not fork or fork["state"] not in DONE:
@@ -219,7 +232,7 @@ def result_of(summary):
     """A ledger RESULT from a shard's summary (tools/upstream-tests --ledger writes those)."""
     rows = summary["tests"]
     counts = {c: sum(r["verdict"] == c for r in rows) for c in COUNTS}
-    incomplete = any(r["message"].startswith(("no result", "not collected")) for r in rows)
+    incomplete = any(r["message"].startswith(NO_RESULT) for r in rows)
     state = "incomplete" if incomplete else "failed" if counts["failed"] or counts["unexpected-pass"] else "passed"
     failures = [[r["nodeid"], r["verdict"], r["message"][:300]] for r in rows
                 if r["verdict"] in ("failed", "unexpected-pass") or r["outcome"] == "failed"]
@@ -253,7 +266,8 @@ def check(ledger, summary, source="<summary>"):
                           f"has no complete result with a failure")
     if stamp(ledger, s["matrix"], s["target"], s["shard"])["selection_sha256"] != s.get("selection_sha256"):
         raise LedgerError(f"{source}: {s['target']} shard {s['shard']} ran other node ids than the ledger now "
-                          f"selects (for upstream: the fork's failures of that shard changed since)")
+                          f"selects (for upstream: the fork's failures of that shard changed since; for the fork: "
+                          f"an incomplete shard runs again only its node ids without a result)")
     if set(r["nodeid"] for r in summary["tests"]) != set(ids):
         raise LedgerError(f"{source}: its tests are not those of {s['target']} shard {s['shard']}")
     return s["matrix"], s["target"], s["shard"]
@@ -267,6 +281,8 @@ def record(ledger, summaries):
         m = ledger["matrices"][matrix]
         new_result = result_of(summary)
         old = m["results"].get(target, {}).get(str(k))
+        if old and old["state"] == "incomplete" and {r["nodeid"] for r in summary["tests"]} != set(m["shards"][k - 1]):
+            new_result = resumed(old, new_result)
         if old and old["state"] in DONE and new_result["state"] not in DONE:
             done.append((matrix, target, k, f"kept the earlier {old['state']} result ({new_result['state']} run)"))
             continue
@@ -276,6 +292,19 @@ def record(ledger, summaries):
         m["unplanned"] = sorted(set(m["unplanned"]) | set(summary.get("unplanned", [])))
         done.append((matrix, target, k, new_result["state"] + (" (replaces an earlier result)" if old else "")))
     return done
+
+
+def resumed(old, new):
+    """An incomplete result with the results of its node ids that had none (`new`, a run of just those)."""
+    redone = set(missing_ids(old))
+    kept = [f for f in old["failures"] if f[0] not in redone]
+    counts = {c: old[c] - sum(f[1] == c for f in old["failures"] if f[0] in redone) + new[c] for c in COUNTS}
+    failures = sorted(kept + new["failures"])
+    incomplete = any(message.startswith(NO_RESULT) for _, _, message in failures)
+    state = "incomplete" if incomplete else "failed" if counts["failed"] or counts["unexpected-pass"] else "passed"
+    versions = ", ".join(dict.fromkeys(v for r in (old, new) for v in r["deepspeed"].split(", ")))
+    return dict(new, state=state, **counts, failures=failures, seconds=old["seconds"] + new["seconds"],
+                deepspeed=versions, resumed=old.get("resumed", 0) + 1)
 
 
 def status(ledger):
@@ -311,7 +340,8 @@ def status(ledger):
                                  f"unexpected, {r['skipped']} skipped; {r['host']}, {r['date']}, {r['seconds']} s, "
                                  f"{r['deepspeed']}, {r['workers']} workers"
                                  + (f" (one run of shards {', '.join(map(str, r['together']))})"
-                                    if r.get("together") else ""))
+                                    if r.get("together") else "")
+                                 + (f", resumed {r['resumed']}x (seconds summed)" if r.get("resumed") else ""))
                 elif target == "fork" or selection(ledger, name, target, k):
                     cells.append("not run")
                 else:
