@@ -21,6 +21,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from founding_common import ensure_dist_env  # noqa: E402
 
 LR, WEIGHT_DECAY, STEPS = 1e-2, 0.1, 3
+# `--cuda-fp16-fused` (tests/gpu/test_zero0_fused_fp16_starts_at_step_zero.py): on a GPU in fp16 with DeepSpeed's
+# fused Adam from the config, which ZeRO-0 wraps in FP16_Optimizer; ZeRO-0 and ZeRO-1 only.
+CUDA_FP16_FUSED = "--cuda-fp16-fused" in sys.argv
+DEVICE, DTYPE = ("cuda", torch.float16) if CUDA_FP16_FUSED else ("cpu", torch.bfloat16)
 
 
 def model():
@@ -30,7 +34,8 @@ def model():
 
 def batch():
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(4, 16, generator=gen).bfloat16(), torch.randn(4, 1, generator=gen).bfloat16()
+    x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 1, generator=gen)
+    return x.to(DEVICE, DTYPE), y.to(DEVICE, DTYPE)
 
 
 def loss_of(out, y):
@@ -40,13 +45,20 @@ def loss_of(out, y):
 def engine_run(stage):
     import deepspeed
     net = model()
-    initial = [p.detach().bfloat16().float() for p in net.parameters()]
-    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True}
-    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    initial = [p.detach().to(DTYPE).float() for p in net.parameters()]
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}}
+    if CUDA_FP16_FUSED:
+        opt = None
+        config.update(fp16={"enabled": True, "initial_scale_power": 8},
+                      optimizer={"type": "Adam", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "adam_w_mode": True}})
+    else:
+        opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        config.update(bf16={"enabled": True}, zero_allow_untested_optimizer=True)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, model_parameters=net.parameters(), config=config)
     inner = engine.optimizer.optimizer
-    steps = sorted({float(s["step"]) for s in inner.state.values() if "step" in s})
+    # torch's optimizers count steps per parameter; DeepSpeed's fused Adam per group
+    steps = sorted({float(s["step"]) for s in inner.state.values() if "step" in s}
+                   | {float(g["step"]) for g in inner.param_groups if "step" in g})
     masters = [p for group in inner.param_groups for p in group["params"]]
     flat_initial = torch.cat([w.flatten() for w in initial])
     # ZeRO-1's master is one flat partition, padded at its end; at world size 1 it holds the parameters in order.
@@ -99,8 +111,10 @@ def reference_run():
 def main():
     ensure_dist_env()
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
-    out = {"zero0": engine_run(0), "zero1": engine_run(1), "reference": reference_run(), "fused": fused_wrapper_run()}
+    deepspeed.init_distributed(dist_backend="nccl" if CUDA_FP16_FUSED else "gloo")
+    out = {"zero0": engine_run(0), "zero1": engine_run(1)}
+    if not CUDA_FP16_FUSED:
+        out.update(reference=reference_run(), fused=fused_wrapper_run())
     print("ZERO0_FIRST_UPDATE " + json.dumps(out), flush=True)
 
 
