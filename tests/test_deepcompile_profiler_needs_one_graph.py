@@ -7,9 +7,11 @@ of the zoo at 2 ranks, each rank with inputs of its own length, stopped in their
 profiler. A graph traced and partitioned for other shapes can differ; its per-node collectives then pair with other
 nodes' (on NCCL: for ever). The profilers now agree on a fingerprint of the graph first, in one all-reduce, and raise
 ProfileGraphMismatch on every rank where it differs. Two gloo ranks on CPU
-(tests/cpu_workers/dc_profile_graph_mismatch.py; DeepCompile's CUDA op handle replaced by one that does nothing):
-without the patch both profilers "return", their collectives paired across different nodes (gloo gives up on the
-unmatched one after a wait; NCCL waits for ever).
+(tests/cpu_workers/dc_profile_graph_mismatch.py; DeepCompile's CUDA op handle replaced by one that does nothing, and
+the CPU accelerator given timing events): without the patch (fork.15) the rank with the longer graph is still in its
+per-node all-reduces when the other reaches the final bucket all-reduce, and gloo aborts on the size mismatch (exit
+-6); NCCL would wait for ever. On the same graph the check adds one all-reduce and nothing else (the profile itself
+then stops at DeepCompile's own ops, which need the CUDA library, as it does without the patch).
 """
 
 import importlib.util

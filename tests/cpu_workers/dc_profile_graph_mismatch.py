@@ -1,5 +1,7 @@
-"""Worker for tests/test_deepcompile_profiler_needs_one_graph.py: two ranks run DeepCompile's profilers over their
-graphs, the same graph (default) or graphs that differ by one node (--differ), on CPU (gloo, DS_ACCELERATOR=cpu).
+"""Worker for tests/test_deepcompile_profiler_needs_one_graph.py and tests/test_deepcompile_z3_profiler_gathers_alike.py:
+two ranks run DeepCompile's profilers over their graphs, the same graph (default) or graphs that differ by one node
+(--differ), or the same graph over a ZeRO-3 parameter that is partitioned on rank 0 and gathered on rank 1
+(--split-param), on CPU (gloo, DS_ACCELERATOR=cpu).
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_profile_graph_mismatch.py --differ   (tests/gpu/dist.py starts it)
 
@@ -20,6 +22,50 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from founding_common import run_worker  # noqa: E402
 
 
+class FakeZeroParam:
+    """What the profiler reads of a ZeRO-3 parameter: its id and status, and all_gather/partition, whose
+    all-gather is a collective (here an all-reduce of the parameter's size, counted)."""
+
+    def __init__(self, weight, gathered):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        self.weight, self.status, self.gathers = weight, ZeroParamStatus, 0
+        weight.ds_id, weight.ds_persist = 7, False
+        weight.ds_status = ZeroParamStatus.AVAILABLE if gathered else ZeroParamStatus.NOT_AVAILABLE
+        weight.all_gather, weight.partition = self.all_gather, self.partition
+
+    def all_gather(self, param_list):
+        import deepspeed.comm as dist
+        self.gathers += 1
+        dist.all_reduce(self.weight.detach().clone().reshape(-1))
+        self.weight.ds_status = self.status.AVAILABLE
+
+    def partition(self, param_list, has_been_updated=False):
+        self.weight.ds_status = self.status.NOT_AVAILABLE
+
+
+class WallClockEvent:
+    """A timing event for the CPU accelerator, which has none (its Event() is None)."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        import time
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1000.0
+
+
+def profile_on_cpu(accelerator):
+    """What the profilers need of an accelerator and the CPU's lacks: timing events, and an RNG fork for a device
+    (torch's fork_rng reaches for CUDA)."""
+    import contextlib
+    import types
+    type(accelerator).Event = property(lambda self: WallClockEvent)  # a property of the accelerator's class
+    accelerator.random = lambda: types.SimpleNamespace(fork_rng=lambda devices: contextlib.nullcontext())
+
+
 class NoOpHandle:
     """DeepCompile's op handle (CUDA): the profilers only switch its profiling mode and clear its gathers."""
 
@@ -33,6 +79,7 @@ class NoOpHandle:
 def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--differ", action="store_true", help="rank 1's graph has one node more")
+    ap.add_argument("--split-param", action="store_true", help="a ZeRO-3 parameter gathered on rank 1 only")
     args = ap.parse_args()
     import torch
     import deepspeed
@@ -41,7 +88,10 @@ def main(report):
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
     deepspeed.accelerator.get_accelerator().current_device = lambda: "cpu"
+    profile_on_cpu(deepspeed.accelerator.get_accelerator())
     graph_profile.get_deepcompile_handle = NoOpHandle
+    # Which nodes are DeepCompile's gathers, releases and reductions: none here (its op library is CUDA's, not loaded).
+    graph_profile.is_release_node = graph_profile.is_comm_op = lambda node: False
 
     class Net(torch.nn.Module):
 
@@ -55,7 +105,16 @@ def main(report):
 
     rank = report["rank"]
     x = torch.randn(4, 8)
+    if args.split_param:
+        weight = torch.nn.Parameter(torch.randn(8, 8))
+        param = FakeZeroParam(weight, gathered=rank == 1)
+        gm = torch.fx.symbolic_trace(lambda x, w: (torch.relu(x @ w), ))
+        graph_profile.ProfilingInterpreter(gm).run(x, weight)
+        report["gathers"] = param.gathers
+        report["profile_incomplete"] = graph_profile.is_profile_incomplete(gm.graph)
     for name in ("ProfilingInterpreter", "MemoryProfilingInterpreter"):
+        if args.split_param:
+            break
         gm = torch.fx.symbolic_trace(Net(extra=args.differ and rank == 1))
         try:
             getattr(graph_profile, name)(gm).run(x)
@@ -68,4 +127,4 @@ def main(report):
 
 
 if __name__ == "__main__":
-    run_worker("dc_profile_graph_mismatch", main)
+    run_worker("dc_profile_graph_mismatch", main, hard_exit=True)  # gloo on CPU: see founding_common.run_worker

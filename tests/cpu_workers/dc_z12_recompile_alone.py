@@ -48,4 +48,4 @@ def main(report):
 
 
 if __name__ == "__main__":
-    run_worker("dc_z12_recompile_alone", main)
+    run_worker("dc_z12_recompile_alone", main, hard_exit=True)  # gloo on CPU: see founding_common.run_worker

@@ -80,4 +80,4 @@ def main(report):
 
 
 if __name__ == "__main__":
-    run_worker("dc_z3_compile_alone", main)
+    run_worker("dc_z3_compile_alone", main, hard_exit=True)  # gloo on CPU: see founding_common.run_worker
