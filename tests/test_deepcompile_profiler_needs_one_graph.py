@@ -14,38 +14,21 @@ per-node all-reduces when the other reaches the final bucket all-reduce, and glo
 then stops at DeepCompile's own ops, which need the CUDA library, as it does without the patch).
 """
 
-import importlib.util
 import os
-import sys
 
-import pytest
+import cpu_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "gpu"))
-from dist import DistJob  # noqa: E402
-
-WORKER = os.path.join(HERE, "cpu_workers", "dc_profile_graph_mismatch.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers", "dc_profile_graph_mismatch.py")
 PROFILERS = ("ProfilingInterpreter", "MemoryProfilingInterpreter")
 
 
-def _run(args):
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not importable")
-    env = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    res = DistJob(WORKER, args, nprocs=2, timeout=240, env=env).start().wait()
-    assert res.ok and sorted(res.results) == [0, 1], res.failure_message()
-    assert [res.results[r].get("error") for r in (0, 1)] == [None, None], res.results
-    assert [res.results[r]["reduced"] for r in (0, 1)] == [3.0, 3.0], res.results  # the bucket met the bucket
-    return res.results
-
-
 def test_ranks_with_different_graphs_stop_before_profiling():
-    for rank in _run(["--differ"]).values():
+    for rank in cpu_worker.run_two_ranks(WORKER, ["--differ"]).values():
         for name in PROFILERS:
             assert rank[name].startswith("ProfileGraphMismatch: "), rank
             assert "4 to 5" in rank[name] and "pad_tensors" in rank[name], rank[name]
 
 
 def test_ranks_with_the_same_graph_profile_it():
-    for rank in _run([]).values():
+    for rank in cpu_worker.run_two_ranks(WORKER, []).values():
         assert [rank[name] for name in PROFILERS] == ["returned", "returned"], rank

@@ -10,33 +10,15 @@ CPU (tests/cpu_workers/dc_z3_compile_alone.py); without the patch gloo aborts th
 all-reduce (exit -6).
 """
 
-import importlib.util
 import os
-import sys
 
-import pytest
+import cpu_worker
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "gpu"))
-from dist import DistJob  # noqa: E402
-
-WORKER = os.path.join(HERE, "cpu_workers", "dc_z3_compile_alone.py")
-ENV = {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-
-
-def _run(args):
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not importable")
-    res = DistJob(WORKER, args, nprocs=2, timeout=240, env=ENV).start().wait()
-    assert res.ok and sorted(res.results) == [0, 1], res.failure_message()
-    assert [res.results[r].get("error") for r in (0, 1)] == [None, None], res.results
-    # 1 + 2 on both ranks: each all-reduce paired with its own kind, the bucket with the bucket
-    assert [res.results[r]["reduced"] for r in (0, 1)] == [3.0, 3.0], res.results
-    return res.results
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers", "dc_z3_compile_alone.py")
 
 
 def test_a_rank_compiling_alone_raises_before_any_collective():
-    results = _run(["--alone"])
+    results = cpu_worker.run_two_ranks(WORKER, ["--alone"])
     rank0, rank1 = results[0], results[1]
     assert "pass_reduced" not in rank0 and not rank0.get("compiled"), rank0  # the profiling pass never ran
     err = rank0["compile_error"]
@@ -46,5 +28,5 @@ def test_a_rank_compiling_alone_raises_before_any_collective():
 
 
 def test_ranks_compiling_together_compile_as_before():
-    for rank in _run([]).values():
+    for rank in cpu_worker.run_two_ranks(WORKER, []).values():
         assert rank.get("compiled") and rank["pass_reduced"] == 2.0, rank  # the pass's collective joined both ranks

@@ -1,7 +1,7 @@
-"""Worker for tests/test_deepcompile_profiler_needs_one_graph.py and tests/test_deepcompile_z3_profiler_gathers_alike.py:
-two ranks run DeepCompile's profilers over their graphs, the same graph (default) or graphs that differ by one node
-(--differ), or the same graph over a ZeRO-3 parameter that is partitioned on rank 0 and gathered on rank 1
-(--split-param), on CPU (gloo, DS_ACCELERATOR=cpu).
+"""Worker for tests/test_deepcompile_profiler_needs_one_graph.py and
+tests/test_deepcompile_z3_profiler_gathers_alike.py: two ranks run DeepCompile's profilers over their graphs, the
+same graph (default) or graphs that differ by one node (--differ), or the same graph over a ZeRO-3 parameter that is
+partitioned on rank 0 and gathered on rank 1 (--split-param), on CPU (gloo, DS_ACCELERATOR=cpu).
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_profile_graph_mismatch.py --differ   (tests/gpu/dist.py starts it)
 
@@ -14,7 +14,9 @@ with it: gloo aborts on the size mismatch).
 """
 
 import argparse
+import contextlib
 import datetime
+import io
 import os
 import sys
 
@@ -60,7 +62,6 @@ class WallClockEvent:
 def profile_on_cpu(accelerator):
     """What the profilers need of an accelerator and the CPU's lacks: timing events, and an RNG fork for a device
     (torch's fork_rng reaches for CUDA)."""
-    import contextlib
     import types
     type(accelerator).Event = property(lambda self: WallClockEvent)  # a property of the accelerator's class
     accelerator.random = lambda: types.SimpleNamespace(fork_rng=lambda devices: contextlib.nullcontext())
@@ -109,7 +110,10 @@ def main(report):
         weight = torch.nn.Parameter(torch.randn(8, 8))
         param = FakeZeroParam(weight, gathered=rank == 1)
         gm = torch.fx.symbolic_trace(lambda x, w: (torch.relu(x @ w), ))
-        graph_profile.ProfilingInterpreter(gm).run(x, weight)
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):  # rank 0 prints why the profile stopped
+            graph_profile.ProfilingInterpreter(gm).run(x, weight)
+        report["profiler_said"] = said.getvalue()
         report["gathers"] = param.gathers
         report["profile_incomplete"] = graph_profile.is_profile_incomplete(gm.graph)
     for name in ("ProfilingInterpreter", "MemoryProfilingInterpreter"):
