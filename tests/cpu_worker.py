@@ -15,7 +15,9 @@ import pytest
 
 
 def cpu_env(**extra):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **extra)
+    """The worker's environment; `extra` may override DS_ACCELERATOR too (a GPU test's worker takes "cuda")."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(extra)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(name, None)
     return env

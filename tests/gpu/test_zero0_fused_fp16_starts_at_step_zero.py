@@ -9,9 +9,7 @@ Adam JIT-built, and holds ZeRO-0's training to ZeRO-1's (the same fused Adam, wh
 real step): tests/cpu_workers/zero0_first_update.py --cuda-fp16-fused.
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,22 +19,17 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("GPU test: CUDA is not available", allow_module_level=True)
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(HERE, "cpu_workers", "zero0_first_update.py")
-PREFIX = "ZERO0_FIRST_UPDATE "
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, TESTS)
+import cpu_worker  # noqa: E402  runs a worker in a process of its own and reads its report
+
+WORKER = os.path.join(TESTS, "cpu_workers", "zero0_first_update.py")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    pytest.importorskip("deepspeed")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.pop("DS_ACCELERATOR", None)
-    proc = subprocess.run([sys.executable, WORKER, "--cuda-fp16-fused"], capture_output=True, text=True, env=env,
-                          cwd=str(tmp_path_factory.mktemp("zero0_fused")), timeout=400)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
-    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    out = json.loads(lines[-1][len(PREFIX):])
-    print(json.dumps(out))
+    out, _ = cpu_worker.run(WORKER, ["--cuda-fp16-fused"], "ZERO0_FIRST_UPDATE ",
+                            tmp_path_factory.mktemp("zero0_fused"), timeout=400, DS_ACCELERATOR="cuda")
     assert out["zero0"]["optimizer"] == "FP16_Optimizer", out["zero0"]
     return out
 
