@@ -8,8 +8,9 @@ partitioned on rank 0 and gathered on rank 1 (--split-param), on CPU (gloo, DS_A
 The profilers (ProfilingInterpreter, MemoryProfilingInterpreter) pair collectives node by node. On 2xH200 both
 DeepCompile ZeRO-3 cells of the zoo at 2 ranks stopped in their first compile, rank 0 inside the profiler, each rank
 with inputs of its own length; graphs traced for other shapes can differ, and then a rank's per-node all-reduces pair
-with another node's, or with nothing. Each rank reports (rank<RANK>.json) what each profiler did (returned, or the
-error it raised) and the value of a bucket both ranks all-reduce at the end (a stray profiler collective would pair
+with another node's, or with nothing. The profilers run as a compile runs them: real inputs, under the fake-tensor mode
+that AOT autograd's compile has active (run_profiler). Each rank reports (rank<RANK>.json) what each profiler did
+(returned, or the error it raised) and the value of a bucket both ranks all-reduce at the end (a stray profiler collective would pair
 with it: gloo aborts on the size mismatch).
 """
 
@@ -77,6 +78,15 @@ class NoOpHandle:
         pass
 
 
+def run_profiler(profiler, *inputs):
+    """Run a profiler as DeepCompile's passes do: inside a compile, where AOT autograd's FakeTensorMode is active and
+    the profiler leaves it for each real computation (fork.16's graph check read its all-reduced tensor outside
+    that, and every ZeRO-3 compile failed: 'Please convert all Tensors to FakeTensors first')."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        return profiler.run(*inputs)
+
+
 def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--differ", action="store_true", help="rank 1's graph has one node more")
@@ -112,7 +122,7 @@ def main(report):
         gm = torch.fx.symbolic_trace(lambda x, w: (torch.relu(x @ w), ))
         said = io.StringIO()
         with contextlib.redirect_stdout(said):  # rank 0 prints why the profile stopped
-            graph_profile.ProfilingInterpreter(gm).run(x, weight)
+            run_profiler(graph_profile.ProfilingInterpreter(gm), x, weight)
         report["profiler_said"] = said.getvalue()
         report["gathers"] = param.gathers
         report["profile_incomplete"] = graph_profile.is_profile_incomplete(gm.graph)
@@ -121,7 +131,7 @@ def main(report):
             break
         gm = torch.fx.symbolic_trace(Net(extra=args.differ and rank == 1))
         try:
-            getattr(graph_profile, name)(gm).run(x)
+            run_profiler(getattr(graph_profile, name)(gm), x)
             report[name] = "returned"
         except RuntimeError as e:
             report[name] = f"{type(e).__name__}: {e}"
