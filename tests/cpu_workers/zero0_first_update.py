@@ -63,7 +63,7 @@ def engine_run(stage):
     flat_initial = torch.cat([w.flatten() for w in initial])
     # ZeRO-1's master is one flat partition, padded at its end; at world size 1 it holds the parameters in order.
     flat_masters = torch.cat([m.detach().float().flatten() for m in masters])[:flat_initial.numel()]
-    moved = (flat_masters - flat_initial).abs().max().item()
+    moved = (flat_masters - flat_initial.to(flat_masters.device)).abs().max().item()
     x, y = batch()
     losses = []
     for _ in range(STEPS):
