@@ -1,0 +1,76 @@
+"""Worker for tests/test_deepcompile_z3_ranks_compile_one_graph.py: two ranks compile a small model with Dynamo, each
+given a batch of its own sequence length (--lengths differ) or of one length (--lengths same), or one rank an extra
+tensor (--lengths extra), after deepspeed.compile.util.mark_dims_that_differ_across_ranks_dynamic, which
+DeepSpeedEngine.forward calls before every forward under DeepCompile ZeRO-3 at several ranks. On CPU (gloo,
+DS_ACCELERATOR=cpu).
+
+  torchrun --nproc-per-node 2 tests/cpu_workers/dc_inputs_differ_across_ranks.py --lengths differ
+
+A backend records each graph Dynamo hands it: its placeholders' shapes and its operations. Each rank reports
+(rank<RANK>.json) how many dimensions were marked, the graphs it compiled, and the value of a bucket both ranks
+all-reduce at the end (a collective of the marking that one rank skipped would pair with it).
+"""
+
+import argparse
+import datetime
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import run_worker  # noqa: E402
+
+LENGTHS = {"differ": (33, 34), "same": (33, 33), "extra": (33, 33)}
+
+
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", choices=sorted(LENGTHS), required=True)
+    args = ap.parse_args()
+    import torch
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.compile.util import mark_dims_that_differ_across_ranks_dynamic
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    rank = report["rank"]
+    graphs = report["graphs"] = []
+
+    def shape(value):
+        """A tensor's sizes, or a symbolic size Dynamo passes in as an input of its own; symbols shown as `s` (their
+        numbers are the process's own)."""
+        return re.sub(r"\bs\d+\b", "s", str(tuple(value.shape)) if isinstance(value, torch.Tensor) else f"size {value}")
+
+    def record(gm, example_inputs):
+        graphs.append({
+            "inputs": [shape(n.meta["example_value"]) for n in gm.graph.nodes if n.op == "placeholder"],
+            "ops": [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"],
+        })
+        return gm.forward
+
+    class Net(torch.nn.Module):
+
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+        def forward(self, input_ids, attention_mask, extra=None):
+            h = self.emb(input_ids) * attention_mask.unsqueeze(-1)
+            return self.out(h).logsumexp(-1).sum()
+
+    torch.manual_seed(0)
+    net = torch.compile(Net(), backend=record)
+    length = LENGTHS[args.lengths][rank]
+    ids = torch.randint(0, 16, (2, length))
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if args.lengths == "extra" and rank == 1:
+        kwargs["extra"] = torch.zeros(3)
+    report["marked"] = mark_dims_that_differ_across_ranks_dynamic(((), kwargs))
+    net(**kwargs)
+    bucket = torch.full((1024, ), float(rank + 1))
+    dist.all_reduce(bucket)
+    report["reduced"] = bucket[0].item()
+
+
+if __name__ == "__main__":
+    run_worker("dc_inputs_differ_across_ranks", main, hard_exit=True)  # gloo on CPU: see founding_common.run_worker

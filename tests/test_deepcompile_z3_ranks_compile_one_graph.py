@@ -1,0 +1,38 @@
+"""Ranks whose batches differ in sequence length compile one graph under DeepCompile ZeRO-3 (patch
+deepcompile-z3-ranks-compile-one-graph; #7611).
+
+On 4xH200 (fork.17, 2 ranks, each rank's micro-batch padded to its own length, as a collator that pads to the longest
+sequence of a batch gives) every DeepCompile ZeRO-3 cell of the model zoo stopped in its first compile with
+ProfileGraphMismatch: rank 0's forward graph had 340 nodes and rank 1's 352, so the profiler's per-node collectives
+could not pair (on 0.19.8 and before fork.16: a hang). DeepSpeedEngine.forward under DeepCompile ZeRO-3 at several
+ranks now compares the input sizes across ranks in one all-reduce and marks the dimensions that differ dynamic, so
+Dynamo traces them symbolically and every rank compiles the same graph; sizes equal on every rank stay static.
+The engine's call is proven on GPUs by the zoo at 2 ranks (tests/gpu/test_model_zoo.py, ZOO_RANKS=2); here two gloo
+ranks call the same function before a Dynamo compile (tests/cpu_workers/dc_inputs_differ_across_ranks.py).
+"""
+
+import os
+
+import cpu_worker
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers", "dc_inputs_differ_across_ranks.py")
+
+
+def test_ranks_with_different_lengths_compile_one_graph():
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "differ"])
+    assert [ranks[r]["marked"] for r in (0, 1)] == [2, 2], ranks  # the length of input_ids and of attention_mask
+    graphs = [ranks[r]["graphs"] for r in (0, 1)]
+    assert len(graphs[0]) == 1 and graphs[0] == graphs[1], graphs
+    assert not any(str(n) in shape for n in (33, 34) for shape in graphs[0][0]["inputs"]), graphs
+
+
+def test_ranks_with_one_length_keep_a_static_graph():
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "same"])
+    assert [ranks[r]["marked"] for r in (0, 1)] == [0, 0], ranks
+    assert all("(2, 33)" in ranks[r]["graphs"][0]["inputs"] for r in (0, 1)), ranks
+
+
+def test_ranks_with_different_inputs_mark_nothing_and_stay_paired():
+    # one collective of one size on every rank, whatever the inputs: the final bucket meets the bucket
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "extra"])
+    assert [ranks[r]["marked"] for r in (0, 1)] == [0, 0], ranks
