@@ -65,14 +65,18 @@ def engine_run(stage):
     flat_masters = torch.cat([m.detach().float().flatten() for m in masters])[:flat_initial.numel()]
     moved = (flat_masters - flat_initial.to(flat_masters.device)).abs().max().item()
     x, y = batch()
-    losses = []
+    losses, scales = [], []
     for _ in range(STEPS):
         loss = loss_of(engine(x), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        scales.append(float(getattr(engine.optimizer, "cur_scale", getattr(engine.optimizer, "loss_scale", 0.0))))
+    steps_after = sorted({float(s["step"]) for s in inner.state.values() if "step" in s}
+                         | {float(g["step"]) for g in inner.param_groups if "step" in g})
     return {"optimizer": type(engine.optimizer).__name__, "steps_before_training": steps,
-            "masters_moved_before_training": moved, "losses": losses}
+            "masters_moved_before_training": moved, "losses": losses, "loss_scales": scales,
+            "steps_after_training": steps_after}
 
 
 def fused_wrapper_run():
