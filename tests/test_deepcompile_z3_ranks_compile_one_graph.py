@@ -36,3 +36,10 @@ def test_ranks_with_different_inputs_mark_nothing_and_stay_paired():
     # one collective of one size on every rank, whatever the inputs: the final bucket meets the bucket
     ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "extra"])
     assert [ranks[r]["marked"] for r in (0, 1)] == [0, 0], ranks
+
+
+def test_a_rank_with_too_many_inputs_to_compare_still_joins_the_all_reduce():
+    # rank 1's 70 more tensors (146 sizes) are more than the ranks compare: it must still take part in the all-reduce
+    # (skipping it alone, as the first version of the patch did, paired rank 0's all-reduce with the final bucket's)
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "many"])
+    assert [ranks[r]["marked"] for r in (0, 1)] == [0, 0], ranks

@@ -1,7 +1,8 @@
 """Worker for tests/test_deepcompile_z3_ranks_compile_one_graph.py: two ranks compile a small model with Dynamo, each
 given a batch of its own sequence length (--lengths differ) or of one length (--lengths same), or one rank an extra
-tensor (--lengths extra), after deepspeed.compile.util.mark_dims_that_differ_across_ranks_dynamic, which
-DeepSpeedEngine.forward calls before every forward under DeepCompile ZeRO-3 at several ranks. On CPU (gloo,
+tensor (--lengths extra) or so many more that its sizes are too many to compare (--lengths many), after
+deepspeed.compile.util.mark_dims_that_differ_across_ranks_dynamic, which DeepSpeedEngine.forward calls before every
+forward under DeepCompile ZeRO-3 at several ranks. On CPU (gloo,
 DS_ACCELERATOR=cpu).
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_inputs_differ_across_ranks.py --lengths differ
@@ -20,7 +21,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
 from founding_common import run_worker  # noqa: E402
 
-LENGTHS = {"differ": (33, 34), "same": (33, 33), "extra": (33, 33)}
+LENGTHS = {"differ": (33, 34), "same": (33, 33), "extra": (33, 33), "many": (33, 33)}
+MANY = 70  # --lengths many: rank 1 passes this many more tensors, more sizes than the ranks compare
 
 
 def main(report):
@@ -39,7 +41,8 @@ def main(report):
     def shape(value):
         """A tensor's sizes, or a symbolic size Dynamo passes in as an input of its own; symbols shown as `s` (their
         numbers are the process's own)."""
-        return re.sub(r"\bs\d+\b", "s", str(tuple(value.shape)) if isinstance(value, torch.Tensor) else f"size {value}")
+        text = str(tuple(value.shape)) if isinstance(value, torch.Tensor) else f"size {value}"
+        return re.sub(r"\bs\d+\b", "s", text)
 
     def record(gm, example_inputs):
         graphs.append({
@@ -65,6 +68,8 @@ def main(report):
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if args.lengths == "extra" and rank == 1:
         kwargs["extra"] = torch.zeros(3)
+    if args.lengths == "many" and rank == 1:
+        kwargs["extra"] = [torch.zeros(3) for _ in range(MANY)]
     report["marked"] = mark_dims_that_differ_across_ranks_dynamic(((), kwargs))
     net(**kwargs)
     bucket = torch.full((1024, ), float(rank + 1))

@@ -10,8 +10,8 @@ DeepCompile ZeRO-3 cells of the zoo at 2 ranks stopped in their first compile, r
 with inputs of its own length; graphs traced for other shapes can differ, and then a rank's per-node all-reduces pair
 with another node's, or with nothing. The profilers run as a compile runs them: real inputs, under the fake-tensor mode
 that AOT autograd's compile has active (run_profiler). Each rank reports (rank<RANK>.json) what each profiler did
-(returned, or the error it raised) and the value of a bucket both ranks all-reduce at the end (a stray profiler collective would pair
-with it: gloo aborts on the size mismatch).
+(returned, or the error it raised) and the value of a bucket both ranks all-reduce at the end (a stray profiler
+collective would pair with it: gloo aborts on the size mismatch).
 """
 
 import argparse
