@@ -2,8 +2,7 @@
 given a batch of its own sequence length (--lengths differ) or of one length (--lengths same), or one rank an extra
 tensor (--lengths extra) or so many more that its sizes are too many to compare (--lengths many), after
 deepspeed.compile.util.mark_dims_that_differ_across_ranks_dynamic, which DeepSpeedEngine.forward calls before every
-forward under DeepCompile ZeRO-3 at several ranks. On CPU (gloo,
-DS_ACCELERATOR=cpu).
+forward under DeepCompile ZeRO-3 at several ranks. On CPU (gloo, DS_ACCELERATOR=cpu).
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_inputs_differ_across_ranks.py --lengths differ
 

@@ -41,8 +41,8 @@ def test_the_fused_optimizer_has_not_stepped_before_training(runs):
 
 
 def test_zero0_trains_as_zero1_with_the_same_fused_adam(runs):
-    # Measured (torch 2.11.0+cu130): fork.15, which stepped at construction, 0.9119 and 0.7177 against ZeRO-1's
-    # 0.8503 and 0.6382 (7 % and 12 % off; an H200); fork.18 0.8501 and 0.6392 (an H100; fp16 rounding of two update
-    # paths, 1.5e-3 at most). Losses 2 and 3 of the same run, ZeRO-1's identical on both cards.
+    # Measured, losses of steps 2 and 3 (torch 2.11.0+cu130): fork.15, which stepped at construction, 0.9119 and
+    # 0.7177 against ZeRO-1's 0.8503 and 0.6382 (7 % and 12 % off; an H200); fork.18 0.8501 and 0.6392 (an H100;
+    # fp16 rounding of two update paths, 1.5e-3 at most). ZeRO-1's losses were the same on both cards.
     zero0, zero1 = runs["zero0"]["losses"], runs["zero1"]["losses"]
     assert zero0 == pytest.approx(zero1, rel=1e-2), f"ZeRO-0 losses {zero0}, ZeRO-1 losses {zero1}"
