@@ -46,3 +46,6 @@ def test_zero0_trains_as_zero1_with_the_same_fused_adam(runs):
     # fp16 rounding of two update paths, 1.5e-3 at most). ZeRO-1's losses were the same on both cards.
     zero0, zero1 = runs["zero0"]["losses"], runs["zero1"]["losses"]
     assert zero0 == pytest.approx(zero1, rel=1e-2), f"ZeRO-0 losses {zero0}, ZeRO-1 losses {zero1}"
+    # Exact where the losses cannot be: the same number of Adam steps (fork.18: [0.0, 3.0] for both; a construction
+    # step makes ZeRO-0's last step 4)
+    assert runs["zero0"]["steps_after_training"] == runs["zero1"]["steps_after_training"], runs
