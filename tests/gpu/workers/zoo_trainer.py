@@ -9,7 +9,8 @@ gradient accumulation 2, 8 optimizer steps with an evaluation every 3, `torch_co
 mode `compile` is plain torch.compile of the same run, mode `eager` the same run without torch_compile (the zoo's
 reference). Records the wall time of `trainer.train()` (compiles included; tools/bench-trainer compares it across
 modes), the logged losses, Dynamo graphs compiled and DeepCompile profiling runs; with ZOO_TRAINER_PHASES=1 also the
-seconds of each compile phase (compile_phases.py).
+seconds of each compile phase (compile_phases.py). ZOO_TRAINER_PAD_MULTIPLE=8 pads each batch to the next multiple of 8
+instead (a collator's `pad_to_multiple_of`).
 """
 
 import argparse
@@ -28,6 +29,7 @@ import zoo_models  # noqa: E402
 
 MAX_STEPS = 8
 EVAL_STEPS = 3
+PAD_MULTIPLE = int(os.environ.get("ZOO_TRAINER_PAD_MULTIPLE", "1"))
 
 
 def dataset(n, seed):
@@ -41,7 +43,7 @@ def dataset(n, seed):
 
 
 def pad_to_longest(rows):
-    longest = max(len(r["input_ids"]) for r in rows)
+    longest = -(-max(len(r["input_ids"]) for r in rows) // PAD_MULTIPLE) * PAD_MULTIPLE
     ids = torch.zeros(len(rows), longest, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
@@ -65,7 +67,7 @@ def main(report):
     setup_device()
     describe(report)
     report["transformers_version"] = transformers.__version__
-    report.update(stage=args.stage, mode=args.mode)
+    report.update(stage=args.stage, mode=args.mode, pad_multiple=PAD_MULTIPLE)
     rec = report["cell"] = dict(reached="start")
     ds = {
         "bf16": {
