@@ -5,11 +5,11 @@ DS_ACCELERATOR=cpu); without torchrun it runs alone, at world size 1.
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_inductor_size_guards.py
 
-Inductor itself guards on the alignment of an SDPA attention mask only on CUDA, so the compiler wrapped here stands
-in for it: it asks Inductor's own size query (SizeVarAllocator.guard_or_false, as the SDPA lowering does) whether
-the sequence length is a multiple of 8, and returns the graph unchanged. Rank 0's lengths are 40 then 37 (aligned,
-then not), rank 1's 35 then 43 (unaligned both times). Each rank reports how often its compiler ran, what the query
-answered, and the guards it left on the length.
+Inductor's SDPA lowering asks ir.is_aligned_realized_tensor about the attention mask only on CUDA, so the compiler
+wrapped here stands in for it: it asks the same Inductor function about a [2, 1, L, L] mask of the graph's sequence
+length L, in an Inductor graph of its own, and returns the graph unchanged. Rank 0's lengths are 40 then 37 (aligned to
+8, then not), rank 1's 35 then 43 (unaligned both times). Each rank reports how often its compiler ran, what the
+question got answered, and the guards on the length's alignment it left.
 """
 
 import datetime
@@ -23,12 +23,13 @@ LENGTHS = {0: (40, 37), 1: (35, 43)}
 
 
 def main(report):
-    import sympy
     import torch
     from types import SimpleNamespace
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor import ir
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.compile.inductor import patch_compiler
@@ -43,8 +44,11 @@ def main(report):
     def inductor_standin(gm, fake_inputs):
         length = next(s for t in fake_inputs if isinstance(t, torch.Tensor) for s in t.shape
                       if isinstance(s, torch.SymInt))
-        shape_env = length.node.shape_env
-        answers.append(bool(SizeVarAllocator(shape_env).guard_or_false(sympy.Eq(sympy.Mod(length.node.expr, 8), 0))))
+        shape_env, n = length.node.shape_env, length.node.expr
+        with V.set_graph_handler(GraphLowering(gm, shape_env=shape_env)):
+            mask = ir.InputBuffer(name="mask", layout=ir.FixedLayout(torch.device("cpu"), torch.float32,
+                                                                     size=[2, 1, n, n], stride=[n * n, n * n, n, 1]))
+            answers.append(bool(ir.is_aligned_realized_tensor(mask, 8)))
         guards.append(sum("Mod" in str(g.expr) for g in shape_env.guards))
         return make_boxed_func(gm.forward)
 
