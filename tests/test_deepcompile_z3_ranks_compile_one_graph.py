@@ -43,3 +43,20 @@ def test_a_rank_with_too_many_inputs_to_compare_still_joins_the_all_reduce():
     # (skipping it alone, as the first version of the patch did, paired rank 0's all-reduce with the final bucket's)
     ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "many"])
     assert [ranks[r]["marked"] for r in (0, 1)] == [0, 0], ranks
+
+
+def test_ranks_that_agreed_first_recompile_together_once_their_sizes_differ():
+    # patch deepcompile-z3-ranks-recompile-together: both ranks at length 33 compile a static graph; then only rank 1's
+    # length changes (40). maybe_mark_dynamic alone leaves rank 0 on its static graph while rank 1 recompiles alone,
+    # the hang #7611 describes; a dimension that agreed before is marked so that every rank's static graph fails.
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "equal-then-differ"])
+    assert [ranks[r]["graphs_after"] for r in (0, 1)] == [[1, 2, 2], [1, 2, 2]], ranks
+    assert ranks[0]["graphs"] == ranks[1]["graphs"], ranks
+    assert "(2, s)" in ranks[0]["graphs"][1]["inputs"], ranks  # one symbolic graph then serves every length
+
+
+def test_without_the_engines_record_one_rank_recompiles_alone():
+    # the scenario's control: without the record the engine keeps, rank 1 compiles at its second forward and rank 0
+    # only at its third, each alone
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "equal-then-differ", "--unrecorded"])
+    assert [ranks[r]["graphs_after"] for r in (0, 1)] == [[1, 1, 2], [1, 2, 2]], ranks

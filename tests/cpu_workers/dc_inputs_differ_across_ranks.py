@@ -8,7 +8,8 @@ forward under DeepCompile ZeRO-3 at several ranks. On CPU (gloo, DS_ACCELERATOR=
 
 A backend records each graph Dynamo hands it: its placeholders' shapes and its operations. Each rank reports
 (rank<RANK>.json) how many dimensions were marked, the graphs it compiled, and the value of a bucket both ranks
-all-reduce at the end (a collective of the marking that one rank skipped would pair with it).
+all-reduce at the end (a collective of the marking that one rank skipped would pair with it). --lengths
+equal-then-differ runs three forwards, keeping the record of agreed sizes as the engine does (--unrecorded: without).
 """
 
 import argparse
@@ -21,12 +22,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from founding_common import run_worker  # noqa: E402
 
 LENGTHS = {"differ": (33, 34), "same": (33, 33), "extra": (33, 33), "many": (33, 33)}
+# Three forwards a rank: the same length on both ranks first, then rank 1's changes, then rank 0's.
+STEPS = {0: (33, 33, 36), 1: (33, 40, 33)}
 MANY = 70  # --lengths many: rank 1 passes this many more tensors, more sizes than the ranks compare
 
 
 def main(report):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", choices=sorted(LENGTHS), required=True)
+    ap.add_argument("--lengths", choices=sorted(LENGTHS) + ["equal-then-differ"], required=True)
+    ap.add_argument("--unrecorded", action="store_true",
+                    help="equal-then-differ without the record of sizes once agreed (the engine keeps one)")
     args = ap.parse_args()
     import torch
     import deepspeed
@@ -62,6 +67,19 @@ def main(report):
 
     torch.manual_seed(0)
     net = torch.compile(Net(), backend=record)
+    if args.lengths == "equal-then-differ":
+        agreed = None if args.unrecorded else set()
+        report["marked"] = []
+        for length in STEPS[rank]:
+            ids = torch.randint(0, 16, (2, length))
+            kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            report["marked"].append(mark_dims_that_differ_across_ranks_dynamic(((), kwargs), agreed=agreed))
+            net(**kwargs)
+            report.setdefault("graphs_after", []).append(len(graphs))
+        bucket = torch.full((1024, ), float(rank + 1))
+        dist.all_reduce(bucket)
+        report["reduced"] = bucket[0].item()
+        return
     length = LENGTHS[args.lengths][rank]
     ids = torch.randint(0, 16, (2, length))
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
