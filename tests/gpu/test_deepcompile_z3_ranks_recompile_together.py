@@ -1,0 +1,60 @@
+"""DeepCompile ZeRO-3 at 2 ranks: when both ranks' lengths were one at first and differ later, the ranks recompile
+together and train on (patches deepcompile-z3-ranks-recompile-together and
+deepcompile-z3-inductor-alignment-guards-every-rank-shares; #7611).
+
+Each rank's first micro-batch has length 40 (a multiple of 8), so each compiles a static graph; at the second step
+rank 0's length stays 40 and rank 1's becomes 45. Before fork.22 rank 0 kept its static graph while rank 1 recompiled
+alone, and ZeRO-3's compile, which profiles with collectives every rank must join, waited for the other rank
+(compile-waits-for-every-rank raises after compile_sync_timeout, 10 minutes by default). The Dynamo graphs each rank has
+compiled must be the same count after every step, the run must finish before its deadline (each rank's stacks are
+kept when it passes), and the losses and gradient norms must be eager ZeRO-3's (workers/dc_z3_ranks_recompile.py).
+"""
+
+import os
+
+import pytest
+
+from dist import DistJob, skip_reason
+
+from zoo_models import ZOO
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_z3_ranks_recompile.py")
+DEADLINE_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "300"))
+# bf16, DeepCompile against eager: the zoo's Llama tolerance (zoo_models.py).
+RTOL = ZOO["llama"].loss_tol
+
+
+@pytest.fixture(scope="module")
+def runs():
+    reason = skip_reason(2)
+    if reason:
+        pytest.skip(reason)
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    jobs = {mode: DistJob(WORKER, ["--mode", mode, "--deadline", str(DEADLINE_S)], nprocs=2, timeout=DEADLINE_S + 60,
+                          env=env).start() for mode in ("eager", "deepcompile")}
+    done = {}
+    for mode, job in jobs.items():
+        done[mode] = job.wait()
+        done[mode].save(f"dc_z3_ranks_recompile_{mode}")
+    return done
+
+
+def _ranks(res):
+    assert res.ok, res.failure_message()
+    return [res.results[r]["run"] for r in (0, 1)]
+
+
+def test_ranks_compile_the_same_graphs_at_every_step(runs):
+    dc = _ranks(runs["deepcompile"])
+    assert dc[0]["graphs"] == dc[1]["graphs"], dc
+
+
+def test_losses_and_gradient_norms_are_eager_zero3s(runs):
+    dc, eager = _ranks(runs["deepcompile"]), _ranks(runs["eager"])
+    for rank in (0, 1):
+        assert dc[rank]["lengths"] == eager[rank]["lengths"]
+        for got, want in zip(dc[rank]["losses"], eager[rank]["losses"]):
+            assert abs(got - want) <= RTOL * abs(want), (rank, dc[rank]["losses"], eager[rank]["losses"])
+        for got, want in zip(dc[rank]["grad_norms"], eager[rank]["grad_norms"]):
+            assert abs(got - want) <= max(1e-2, 5 * RTOL) * abs(want), (rank, dc[rank]["grad_norms"], eager[rank])
+    assert dc[0]["grad_norms"] == dc[1]["grad_norms"], dc  # one global norm, the same on both ranks

@@ -1,0 +1,74 @@
+"""Worker for test_deepcompile_z3_ranks_recompile_together.py: the zoo's Llama under ZeRO-3 at 2 ranks, eagerly or
+with DeepCompile, whose micro-batch lengths per rank are what a collator padding to the longest row gives when both
+ranks' longest rows had one length at first and not later.
+
+  torchrun --nproc-per-node 2 tests/gpu/workers/dc_z3_ranks_recompile.py --mode deepcompile
+
+Lengths by step (rank 0, rank 1): 40/40 (the same on both ranks: a static graph each, for a length aligned to 8),
+then 40/45 (rank 0's length unchanged), 36/40, 52/37, 44/52. Each rank reports its losses, the global gradient norm
+of each step, and how many Dynamo graphs it had compiled after each step.
+"""
+
+import argparse
+import faulthandler
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
+from zoo_cell import Counters  # noqa: E402
+import ds_configs  # noqa: E402
+import zoo_models  # noqa: E402
+
+MICRO_BATCH = 2
+LENGTHS = {0: (40, 40, 36, 52, 44), 1: (40, 45, 40, 37, 52)}
+
+
+def make_batch(step, length):
+    gen = torch.Generator().manual_seed(3000 + 100 * int(os.environ.get("RANK", "0")) + step)
+    ids = torch.randint(3, zoo_models.vocab_size("llama"), (MICRO_BATCH, length), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
+    ap.add_argument("--deadline", type=float, default=300)
+    args = ap.parse_args()
+    stacks_at_deadline(args.deadline)
+
+    device = setup_device()
+    describe(report)
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = zoo_models.build("llama")
+    config = ds_configs.zero(3, MICRO_BATCH, 1, 1e-3, optimizer="AdamW", deepcompile=args.mode == "deepcompile",
+                             clip=1.0, stage3_param_persistence_threshold=0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if args.mode == "deepcompile":
+        engine.compile()
+    counters = Counters()
+    rec = report["run"] = dict(mode=args.mode, lengths=[], losses=[], grad_norms=[], graphs=[], reached="start")
+    for step, length in enumerate(LENGTHS[report["rank"]]):
+        rec["reached"] = f"step {step}"
+        report.write()
+        batch = make_batch(step, length)
+        loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
+        engine.backward(loss)
+        engine.step()
+        rec["lengths"].append(length)
+        rec["losses"].append(loss.item())
+        rec["grad_norms"].append(float(engine.get_global_grad_norm()))
+        rec["graphs"].append(counters.snapshot()["graphs"])
+    rec["reached"] = "done"
+    report.write()
+    faulthandler.cancel_dump_traceback_later()
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    run_worker("dc-z3-ranks-recompile", main)
