@@ -55,8 +55,16 @@ def test_ranks_that_agreed_first_recompile_together_once_their_sizes_differ():
     assert "(2, s)" in ranks[0]["graphs"][1]["inputs"], ranks  # one symbolic graph then serves every length
 
 
-def test_without_the_engines_record_one_rank_recompiles_alone():
+def _dynamo_guards_maybe_mark_dynamic():
+    import inspect
+    import torch._dynamo.guards
+    return "_dynamo_weak_dynamic_indices" in inspect.getsource(torch._dynamo.guards)
+
+
+def test_without_the_engines_record_one_rank_recompiles_alone_where_dynamo_ignores_weak_marks():
     # the scenario's control: without the record the engine keeps, rank 1 compiles at its second forward and rank 0
-    # only at its third, each alone
+    # only at its third, each alone. torch 2.15's Dynamo guards maybe_mark_dynamic's mark as it guards mark_dynamic's,
+    # so there the ranks recompile together even so; 2.8 and 2.11 need the record.
     ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "equal-then-differ", "--unrecorded"])
-    assert [ranks[r]["graphs_after"] for r in (0, 1)] == [[1, 1, 2], [1, 2, 2]], ranks
+    rank0 = [1, 2, 2] if _dynamo_guards_maybe_mark_dynamic() else [1, 1, 2]
+    assert [ranks[r]["graphs_after"] for r in (0, 1)] == [rank0, [1, 2, 2]], ranks
