@@ -119,17 +119,33 @@ def test_a_subject_cut_short_is_marked_as_such_in_the_table(tmp_path):
            "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0, "error": "exited with 1 before res.1"}
     data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 3,
             "steps": 2, "warmup": 1, "rows": [row]}
-    sys.path.insert(0, os.path.dirname(TOOL))
-    import importlib.machinery
-    import importlib.util
-    loader = importlib.machinery.SourceFileLoader("bench_cli", TOOL)
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    cli = importlib.util.module_from_spec(spec)
-    loader.exec_module(cli)
+    cli = _cli()
     data["rows"] = [cli.summarize(row, data["peak_tflops"])]
     (tmp_path / "bench.json").write_text(json.dumps(data))
     cli.render(str(tmp_path))
     assert "0.6000 (0.6000-0.6000; 1 of 3 blocks, then: exited with 1 before res.1)" in (tmp_path / "bench.md").read_text()
+
+
+def _cli():
+    import importlib.machinery
+    import importlib.util
+    sys.path.insert(0, os.path.dirname(TOOL))
+    loader = importlib.machinery.SourceFileLoader("bench_cli", TOOL)
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    cli = importlib.util.module_from_spec(spec)
+    loader.exec_module(cli)
+    return cli
+
+
+def test_a_row_failed_in_a_group_the_budget_cut_names_the_budget():
+    """Session 15's one-GPU run gave 0.19.8's 1.5B DeepCompile ZeRO-3 group 149 s of --group-deadline-s 250, because
+    --budget-s (counted from before the op builds) had 149 s left; the row said only "no ready within 149 s"."""
+    cut = _cli().note_budget_cut
+    failed = cut({"error": "no ready within 144 s"}, 149.0, 250.0)["error"]
+    assert failed == ("no ready within 144 s (--budget-s left this group 149 s of --group-deadline-s 250; "
+                      "raise --budget-s)")
+    assert cut({"error": "no ready within 245 s"}, 250.0, 250.0)["error"] == "no ready within 245 s"
+    assert "error" not in cut({"step_s": 0.1}, 149.0, 250.0)
 
 
 def test_the_pinned_upstream_release_is_measured_as_a_site(tmp_path):
