@@ -29,6 +29,17 @@ def test_ranks_with_different_graphs_stop_before_profiling():
             assert "4 to 5" in rank[name] and "pad_tensors" in rank[name], rank[name]
 
 
+def test_the_mismatch_names_the_node_where_the_ranks_graphs_part():
+    """At 4 ranks the Trainer's evaluation stopped with "this rank's has 356 nodes; across ranks 356 to 366" and
+    nothing to say which operation or which input made the ranks' graphs differ (4xH100, fork.23)."""
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--differ"])
+    for me, other, theirs, mine in ((0, 1, "call_function _operator.mul", "output output"),
+                                    (1, 0, "output output", "call_function _operator.mul")):
+        for name in PROFILERS:
+            said = ranks[me][name]
+            assert f"rank {other}'s graph departs from this rank's at node 3: {theirs} there, {mine} here" in said, said
+
+
 def test_ranks_with_the_same_graph_profile_it():
     for rank in cpu_worker.run_two_ranks(WORKER, []).values():
         assert [rank[name] for name in PROFILERS] == ["returned", "returned"], rank
