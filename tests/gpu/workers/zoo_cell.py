@@ -60,8 +60,9 @@ TRAIN_STEPS, TRAIN2_STEPS, AFTER_STEPS = 3, 3, 2
 EVAL_BATCHES = 4
 # One length per micro-batch, none a multiple of 8: Inductor specializes on divisibility by 8 (alignment), for plain
 # torch.compile and DeepCompile alike, and the zoo counts compiles caused by new lengths, not by alignment. Rank r of
-# W takes entry index * W + r: one rank keeps the first lengths, several never share one.
-LENGTHS = [n for n in range(33, 128) if n % 8]
+# W takes entry index * W + r: one rank keeps the first lengths, several never share one. Up to 239: enough for every
+# micro-batch of plan() at 8 ranks, within the zoo models' 256 positions.
+LENGTHS = [n for n in range(33, 240) if n % 8]
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 # ZeRO-2's gradient-reduction options a stage name may change (see the docstring).
 ZERO2_OPTIONS = {"+oc": ("overlap_comm", True), "-cg": ("contiguous_gradients", False)}
