@@ -4,11 +4,14 @@ deepcompile-z3-ranks-compile-one-graph; #7611).
 On 4xH200 (fork.17, 2 ranks, each rank's micro-batch padded to its own length, as a collator that pads to the longest
 sequence of a batch gives) every DeepCompile ZeRO-3 cell of the model zoo stopped in its first compile with
 ProfileGraphMismatch: rank 0's forward graph had 340 nodes and rank 1's 352, so the profiler's per-node collectives
-could not pair (on 0.19.8 and before fork.16: a hang). DeepSpeedEngine.forward under DeepCompile ZeRO-3 at several
-ranks now compares the input sizes across ranks in one all-reduce and marks the dimensions that differ dynamic, so
-Dynamo traces them symbolically and every rank compiles the same graph; sizes equal on every rank stay static.
-The engine's call is proven on GPUs by the zoo at 2 ranks (tests/gpu/test_model_zoo.py, ZOO_RANKS=2); here two gloo
-ranks call the same function before a Dynamo compile (tests/cpu_workers/dc_inputs_differ_across_ranks.py).
+could not pair (on 0.19.8 and before fork.16: a hang). Under DeepCompile ZeRO-3 at several
+ranks every call of the compiled model now compares the input sizes across ranks in one all-reduce and marks the
+dimensions that differ dynamic, so Dynamo traces them symbolically and every rank compiles the same graph; sizes equal
+on every rank stay static. Until fork.24 DeepSpeedEngine.forward did this for its own calls only; since fork.25
+DeepSpeedEngine.compile wraps the model's compiled call (deepspeed.compile.util.agree_on_input_sizes), which also
+covers the Trainer's evaluation, which calls the model itself. The engine's wiring is proven on GPUs by the zoo at 2
+and 4 ranks (tests/gpu/test_model_zoo.py, ZOO_RANKS); here two gloo ranks call the same functions around a Dynamo
+compile (tests/cpu_workers/dc_inputs_differ_across_ranks.py).
 """
 
 import os
@@ -68,3 +71,16 @@ def test_without_the_engines_record_one_rank_recompiles_alone_where_dynamo_ignor
     ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "equal-then-differ", "--unrecorded"])
     rank0 = [1, 2, 2] if _dynamo_guards_maybe_mark_dynamic() else [1, 1, 2]
     assert [ranks[r]["graphs_after"] for r in (0, 1)] == [rank0, [1, 2, 2]], ranks
+
+
+def test_calls_of_the_model_itself_compile_one_graph_on_every_rank():
+    # patch deepcompile-z3-ranks-agree-on-calls-of-the-module: at 4 ranks (4xH100, fork.23 and fork.24) the Trainer's
+    # evaluation, which calls the model itself and not the engine, reached Dynamo with unmarked inputs; Dynamo's
+    # automatic dynamic shapes traced rank 0, whose evaluation length was the one its frame was compiled for, static
+    # ([2, 80]) and the other ranks symbolic, and the profiler met different graphs (ProfileGraphMismatch). Here rank
+    # 0 trains at 40 and evaluates at 40, rank 1 at 45 and 50.
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--lengths", "train-then-call-directly"])
+    graphs = [ranks[r]["graphs"] for r in (0, 1)]
+    assert [len(g) for g in graphs] == [2, 2], graphs  # training, then evaluation (no_grad recompiles)
+    assert graphs[0] == graphs[1], graphs
+    assert "(2, s)" in graphs[0][1]["inputs"], graphs

@@ -1,6 +1,6 @@
 """Worker for tests/test_deepcompile_z3_inductor_size_guards.py: a rank compiles, through DeepCompile's wrapper of
 Inductor's compiler (deepspeed.compile.inductor.patch_compiler, ZeRO-3), a graph whose sequence length differs across
-ranks and is marked dynamic as DeepSpeedEngine.forward marks it; then runs it again at a second length. On CPU (gloo,
+ranks and is marked dynamic as the engine marks it; then runs it again at a second length. On CPU (gloo,
 DS_ACCELERATOR=cpu); without torchrun it runs alone, at world size 1.
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_inductor_size_guards.py

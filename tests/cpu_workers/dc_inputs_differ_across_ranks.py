@@ -1,8 +1,9 @@
 """Worker for tests/test_deepcompile_z3_ranks_compile_one_graph.py: two ranks compile a small model with Dynamo, each
 given a batch of its own sequence length (--lengths differ) or of one length (--lengths same), or one rank an extra
 tensor (--lengths extra) or so many more that its sizes are too many to compare (--lengths many), after
-deepspeed.compile.util.mark_dims_that_differ_across_ranks_dynamic, which DeepSpeedEngine.forward calls before every
-forward under DeepCompile ZeRO-3 at several ranks. On CPU (gloo, DS_ACCELERATOR=cpu).
+deepspeed.compile.util.mark_dims_that_differ_across_ranks_dynamic, which every call of the compiled model makes under
+DeepCompile ZeRO-3 at several ranks (agree_on_input_sizes; until fork.24, DeepSpeedEngine.forward's calls only). On
+CPU (gloo, DS_ACCELERATOR=cpu).
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_inputs_differ_across_ranks.py --lengths differ
 
@@ -10,6 +11,9 @@ A backend records each graph Dynamo hands it: its placeholders' shapes and its o
 (rank<RANK>.json) how many dimensions were marked, the graphs it compiled, and the value of a bucket both ranks
 all-reduce at the end (a collective of the marking that one rank skipped would pair with it). --lengths
 equal-then-differ runs three forwards, keeping the record of agreed sizes as the engine does (--unrecorded: without).
+--lengths train-then-call-directly compiles the model with nn.Module.compile, as DeepSpeedEngine.compile does, trains
+one step through what the engine's forward does, then calls the model itself under no_grad, as the Hugging Face
+Trainer evaluates (rank 0: length 40 then 40, rank 1: 45 then 50).
 """
 
 import argparse
@@ -25,11 +29,14 @@ LENGTHS = {"differ": (33, 34), "same": (33, 33), "extra": (33, 33), "many": (33,
 # Three forwards a rank: the same length on both ranks first, then rank 1's changes, then rank 0's.
 STEPS = {0: (33, 33, 36), 1: (33, 40, 33)}
 MANY = 70  # --lengths many: rank 1 passes this many more tensors, more sizes than the ranks compare
+# --lengths train-then-call-directly: (training length, evaluation length) of each rank.
+DIRECT = {0: (40, 40), 1: (45, 50)}
 
 
 def main(report):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", choices=sorted(LENGTHS) + ["equal-then-differ"], required=True)
+    ap.add_argument("--lengths", choices=sorted(LENGTHS) + ["equal-then-differ", "train-then-call-directly"],
+                    required=True)
     ap.add_argument("--unrecorded", action="store_true",
                     help="equal-then-differ without the record of sizes once agreed (the engine keeps one)")
     args = ap.parse_args()
@@ -66,6 +73,31 @@ def main(report):
             return self.out(h).logsumexp(-1).sum()
 
     torch.manual_seed(0)
+    if args.lengths == "train-then-call-directly":
+        from deepspeed.compile import util
+        model, agreed = Net(), set()
+        model.compile(backend=record)
+        if hasattr(util, "agree_on_input_sizes"):
+            util.agree_on_input_sizes(model, agreed=agreed)  # what DeepSpeedEngine.compile does since fork.25
+            engine_forward = model
+        else:
+
+            def engine_forward(**kwargs):  # fork.18 to fork.24: DeepSpeedEngine.forward marked only its own calls
+                util.mark_dims_that_differ_across_ranks_dynamic(((), kwargs), agreed=agreed)
+                return model(**kwargs)
+
+        def batch(length):
+            ids = torch.randint(0, 16, (2, length))
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+        train_length, eval_length = DIRECT[rank]
+        engine_forward(**batch(train_length)).backward()
+        with torch.no_grad():
+            model(**batch(eval_length))  # the Trainer's evaluation calls the model itself
+        bucket = torch.full((1024, ), float(rank + 1))
+        dist.all_reduce(bucket)
+        report["reduced"] = bucket[0].item()
+        return
     net = torch.compile(Net(), backend=record)
     if args.lengths == "equal-then-differ":
         agreed = None if args.unrecorded else set()

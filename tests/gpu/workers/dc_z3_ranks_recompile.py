@@ -7,6 +7,11 @@ ranks' longest rows had one length at first and not later.
 Lengths by step (rank 0, rank 1): 40/40 (the same on both ranks: a static graph each, for a length aligned to 8),
 then 40/45 (rank 0's length unchanged), 36/40, 52/37, 44/52. Each rank reports its losses, the global gradient norm
 of each step, and how many Dynamo graphs it had compiled after each step.
+
+--case calls-of-the-module (tests/gpu/test_deepcompile_z3_calls_of_the_module.py): one training step at 40/45, then
+evaluation as the Hugging Face Trainer runs it, calling the engine's module itself under no_grad, at 40/50 and
+44/37: rank 0's first evaluation length is the one its frame was compiled for. Each rank reports the evaluation
+losses and the Dynamo graphs after each call.
 """
 
 import argparse
@@ -25,6 +30,8 @@ import zoo_models  # noqa: E402
 
 MICRO_BATCH = 2
 LENGTHS = {0: (40, 40, 36, 52, 44), 1: (40, 45, 40, 37, 52)}
+# --case calls-of-the-module: (training length, evaluation lengths) of each rank.
+DIRECT = {0: (40, (40, 44)), 1: (45, (50, 37))}
 
 
 def make_batch(step, length):
@@ -37,6 +44,7 @@ def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
     ap.add_argument("--deadline", type=float, default=300)
+    ap.add_argument("--case", default="recompile-together", choices=["recompile-together", "calls-of-the-module"])
     args = ap.parse_args()
     stacks_at_deadline(args.deadline)
 
@@ -52,6 +60,27 @@ def main(report):
     if args.mode == "deepcompile":
         engine.compile()
     counters = Counters()
+    if args.case == "calls-of-the-module":
+        train_length, eval_lengths = DIRECT[report["rank"]]
+        rec = report["run"] = dict(mode=args.mode, eval_lengths=list(eval_lengths), eval_losses=[], graphs=[],
+                                   reached="train")
+        report.write()
+        batch = make_batch(0, train_length)
+        engine.backward(engine(**{k: v.to(device) for k, v in batch.items()}).loss)
+        engine.step()
+        rec["graphs"].append(counters.snapshot()["graphs"])
+        for i, length in enumerate(eval_lengths):
+            rec["reached"] = f"evaluation {i}"
+            report.write()
+            batch = make_batch(1 + i, length)
+            with torch.no_grad():  # the Trainer's prediction_step calls the model, not the engine
+                rec["eval_losses"].append(engine.module(**{k: v.to(device) for k, v in batch.items()}).loss.item())
+            rec["graphs"].append(counters.snapshot()["graphs"])
+        rec["reached"] = "done"
+        report.write()
+        faulthandler.cancel_dump_traceback_later()
+        engine.destroy()
+        return
     rec = report["run"] = dict(mode=args.mode, lengths=[], losses=[], grad_norms=[], graphs=[], reached="start")
     for step, length in enumerate(LENGTHS[report["rank"]]):
         rec["reached"] = f"step {step}"
