@@ -37,7 +37,8 @@ def test_the_mismatch_names_the_node_where_the_ranks_graphs_part():
                                     (1, 0, "output output", "call_function _operator.mul")):
         for name in PROFILERS:
             said = ranks[me][name]
-            assert f"rank {other}'s graph departs from this rank's at node 3: {theirs} there, {mine} here" in said, said
+            where = f"rank {other}'s graph departs from this rank's at node 3: {theirs} there, {mine} here"
+            assert where in said, said
 
 
 def test_ranks_with_the_same_graph_profile_it():

@@ -8,8 +8,8 @@ Lengths by step (rank 0, rank 1): 40/40 (the same on both ranks: a static graph 
 then 40/45 (rank 0's length unchanged), 36/40, 52/37, 44/52. Each rank reports its losses, the global gradient norm
 of each step, and how many Dynamo graphs it had compiled after each step.
 
---case calls-of-the-module (tests/gpu/test_deepcompile_z3_calls_of_the_module.py): one training step at 40/45, then
-evaluation as the Hugging Face Trainer runs it, calling the engine's module itself under no_grad, at 40/50 and
+--case calls-of-the-module (tests/gpu/test_deepcompile_z3_ranks_recompile_together.py): one training step at 40/45,
+then evaluation as the Hugging Face Trainer runs it, calling the engine's module itself under no_grad, at 40/50 and
 44/37: rank 0's first evaluation length is the one its frame was compiled for. Each rank reports the evaluation
 losses and the Dynamo graphs after each call.
 """
