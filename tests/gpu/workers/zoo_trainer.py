@@ -10,7 +10,9 @@ mode `compile` is plain torch.compile of the same run, mode `eager` the same run
 reference). Records the wall time of `trainer.train()` (compiles included; tools/bench-trainer compares it across
 modes), the logged losses, Dynamo graphs compiled and DeepCompile profiling runs; with ZOO_TRAINER_PHASES=1 also the
 seconds of each compile phase (compile_phases.py). ZOO_TRAINER_PAD_MULTIPLE=8 pads each batch to the next multiple of 8
-instead (a collator's `pad_to_multiple_of`).
+instead (a collator's `pad_to_multiple_of`). ZOO_TRAINER_EVAL_ON_START=1 evaluates once before the first training step
+(`eval_on_start`): the Trainer's evaluation calls the model itself, so that call reaches DeepCompile before any call
+of the engine's forward.
 """
 
 import argparse
@@ -30,6 +32,7 @@ import zoo_models  # noqa: E402
 MAX_STEPS = 8
 EVAL_STEPS = 3
 PAD_MULTIPLE = int(os.environ.get("ZOO_TRAINER_PAD_MULTIPLE", "1"))
+EVAL_ON_START = os.environ.get("ZOO_TRAINER_EVAL_ON_START", "0") == "1"
 
 
 def dataset(n, seed):
@@ -67,7 +70,7 @@ def main(report):
     setup_device()
     describe(report)
     report["transformers_version"] = transformers.__version__
-    report.update(stage=args.stage, mode=args.mode, pad_multiple=PAD_MULTIPLE)
+    report.update(stage=args.stage, mode=args.mode, pad_multiple=PAD_MULTIPLE, eval_on_start=EVAL_ON_START)
     rec = report["cell"] = dict(reached="start")
     ds = {
         "bf16": {
@@ -86,8 +89,8 @@ def main(report):
         ds["compile"] = {"deepcompile": True}
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                               gradient_accumulation_steps=2, max_steps=MAX_STEPS, eval_strategy="steps",
-                              eval_steps=EVAL_STEPS, logging_steps=1, learning_rate=1e-3, bf16=True,
-                              torch_compile=args.mode != "eager",
+                              eval_steps=EVAL_STEPS, eval_on_start=EVAL_ON_START, logging_steps=1, learning_rate=1e-3,
+                              bf16=True, torch_compile=args.mode != "eager",
                               deepspeed=ds, report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0)
     torch.manual_seed(0)
     model = zoo_models.build("llama")
