@@ -42,7 +42,6 @@ def main(report):
     args = ap.parse_args()
     import torch
     import deepspeed
-    import deepspeed.comm as dist
     from deepspeed.compile.util import mark_dims_that_differ_across_ranks_dynamic
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
@@ -94,10 +93,7 @@ def main(report):
         engine_forward(**batch(train_length)).backward()
         with torch.no_grad():
             model(**batch(eval_length))  # the Trainer's evaluation calls the model itself
-        bucket = torch.full((1024, ), float(rank + 1))
-        dist.all_reduce(bucket)
-        report["reduced"] = bucket[0].item()
-        return
+        return end_with_a_bucket(report)
     net = torch.compile(Net(), backend=record)
     if args.lengths == "equal-then-differ":
         agreed = None if args.unrecorded else set()
@@ -108,10 +104,7 @@ def main(report):
             report["marked"].append(mark_dims_that_differ_across_ranks_dynamic(((), kwargs), agreed=agreed))
             net(**kwargs)
             report.setdefault("graphs_after", []).append(len(graphs))
-        bucket = torch.full((1024, ), float(rank + 1))
-        dist.all_reduce(bucket)
-        report["reduced"] = bucket[0].item()
-        return
+        return end_with_a_bucket(report)
     length = LENGTHS[args.lengths][rank]
     ids = torch.randint(0, 16, (2, length))
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -121,7 +114,15 @@ def main(report):
         kwargs["extra"] = [torch.zeros(3) for _ in range(MANY)]
     report["marked"] = mark_dims_that_differ_across_ranks_dynamic(((), kwargs))
     net(**kwargs)
-    bucket = torch.full((1024, ), float(rank + 1))
+    end_with_a_bucket(report)
+
+
+def end_with_a_bucket(report):
+    """Both ranks all-reduce a bucket (1s on rank 0, 2s on rank 1): a collective of the marking that one rank skipped
+    would pair with it, and the value read back would not be 3."""
+    import torch
+    import deepspeed.comm as dist
+    bucket = torch.full((1024, ), float(report["rank"] + 1))
     dist.all_reduce(bucket)
     report["reduced"] = bucket[0].item()
 

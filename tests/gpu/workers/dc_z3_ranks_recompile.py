@@ -44,7 +44,7 @@ def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
     ap.add_argument("--deadline", type=float, default=300)
-    ap.add_argument("--case", default="recompile-together", choices=["recompile-together", "calls-of-the-module"])
+    ap.add_argument("--case", default="recompile-together", choices=sorted(CASES))
     args = ap.parse_args()
     stacks_at_deadline(args.deadline)
 
@@ -59,45 +59,47 @@ def main(report):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if args.mode == "deepcompile":
         engine.compile()
-    counters = Counters()
-    if args.case == "calls-of-the-module":
-        train_length, eval_lengths = DIRECT[report["rank"]]
-        rec = report["run"] = dict(mode=args.mode, eval_lengths=list(eval_lengths), eval_losses=[], graphs=[],
-                                   reached="train")
-        report.write()
-        batch = make_batch(0, train_length)
-        engine.backward(engine(**{k: v.to(device) for k, v in batch.items()}).loss)
-        engine.step()
-        rec["graphs"].append(counters.snapshot()["graphs"])
-        for i, length in enumerate(eval_lengths):
-            rec["reached"] = f"evaluation {i}"
-            report.write()
-            batch = make_batch(1 + i, length)
-            with torch.no_grad():  # the Trainer's prediction_step calls the model, not the engine
-                rec["eval_losses"].append(engine.module(**{k: v.to(device) for k, v in batch.items()}).loss.item())
-            rec["graphs"].append(counters.snapshot()["graphs"])
-        rec["reached"] = "done"
-        report.write()
-        faulthandler.cancel_dump_traceback_later()
-        engine.destroy()
-        return
-    rec = report["run"] = dict(mode=args.mode, lengths=[], losses=[], grad_norms=[], graphs=[], reached="start")
+    CASES[args.case](engine, device, report, args.mode, Counters())
+    report["run"]["reached"] = "done"
+    report.write()
+    faulthandler.cancel_dump_traceback_later()
+    engine.destroy()
+
+
+def on(device, batch):
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def train_at_each_ranks_lengths(engine, device, report, mode, counters):
+    rec = report["run"] = dict(mode=mode, lengths=[], losses=[], grad_norms=[], graphs=[], reached="start")
     for step, length in enumerate(LENGTHS[report["rank"]]):
         rec["reached"] = f"step {step}"
         report.write()
-        batch = make_batch(step, length)
-        loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
+        loss = engine(**on(device, make_batch(step, length))).loss
         engine.backward(loss)
         engine.step()
         rec["lengths"].append(length)
         rec["losses"].append(loss.item())
         rec["grad_norms"].append(float(engine.get_global_grad_norm()))
         rec["graphs"].append(counters.snapshot()["graphs"])
-    rec["reached"] = "done"
-    report.write()
-    faulthandler.cancel_dump_traceback_later()
-    engine.destroy()
 
+
+def train_then_call_the_module(engine, device, report, mode, counters):
+    train_length, eval_lengths = DIRECT[report["rank"]]
+    rec = report["run"] = dict(mode=mode, eval_lengths=list(eval_lengths), eval_losses=[], graphs=[], reached="train")
+    report.write()
+    engine.backward(engine(**on(device, make_batch(0, train_length))).loss)
+    engine.step()
+    rec["graphs"].append(counters.snapshot()["graphs"])
+    for i, length in enumerate(eval_lengths):
+        rec["reached"] = f"evaluation {i}"
+        report.write()
+        with torch.no_grad():  # the Trainer's prediction_step calls the model, not the engine
+            rec["eval_losses"].append(engine.module(**on(device, make_batch(1 + i, length))).loss.item())
+        rec["graphs"].append(counters.snapshot()["graphs"])
+
+
+CASES = {"recompile-together": train_at_each_ranks_lengths, "calls-of-the-module": train_then_call_the_module}
 
 if __name__ == "__main__":
     run_worker("dc-z3-ranks-recompile", main)
