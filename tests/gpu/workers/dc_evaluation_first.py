@@ -1,0 +1,75 @@
+"""Worker for tests/gpu/test_deepcompile_evaluation_before_training.py: the zoo's Llama (fp32) under ZeRO-1, -2 or -3,
+eagerly or with DeepCompile, evaluated before its first training step as the Hugging Face Trainer evaluates with
+eval_on_start: the model itself is called under no_grad (prediction_step calls the model, not the engine).
+
+  python tests/gpu/workers/dc_evaluation_first.py --stage 3 --mode deepcompile     (one process, one GPU)
+
+Plan (PLAN): evaluate, train, train at another length, evaluate, train. The report holds the evaluation and training
+losses and each step's global gradient norm, and how far the plan got.
+"""
+
+import argparse
+import faulthandler
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
+import ds_configs  # noqa: E402
+import zoo_models  # noqa: E402
+
+MICRO_BATCH = 2
+PLAN = (("evaluate", 40), ("train", 40), ("train", 48), ("evaluate", 44), ("train", 40))
+
+
+def make_batch(index, length):
+    gen = torch.Generator().manual_seed(4000 + index)
+    ids = torch.randint(3, zoo_models.vocab_size("llama"), (MICRO_BATCH, length), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
+    ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
+    ap.add_argument("--deadline", type=float, default=400)
+    args = ap.parse_args()
+    stacks_at_deadline(args.deadline)
+    device = setup_device()
+    describe(report)
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = zoo_models.build("llama")
+    config = ds_configs.zero(args.stage, MICRO_BATCH, 1, 1e-3, optimizer="AdamW", bf16=False,
+                             deepcompile=args.mode == "deepcompile")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if args.mode == "deepcompile":
+        engine.compile()
+    rec = report["run"] = dict(stage=args.stage, mode=args.mode, eval_losses=[], losses=[], grad_norms=[])
+    for index, (op, length) in enumerate(PLAN):
+        rec["reached"] = f"{op} {index}"
+        report.write()
+        batch = {k: v.to(device) for k, v in make_batch(index, length).items()}
+        if op == "evaluate":
+            engine.eval()
+            with torch.no_grad():
+                rec["eval_losses"].append(engine.module(**batch).loss.item())
+            engine.train()
+        else:
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            rec["losses"].append(loss.item())
+            rec["grad_norms"].append(float(engine.get_global_grad_norm()))
+    rec["reached"] = "done"
+    report.write()
+    faulthandler.cancel_dump_traceback_later()
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    run_worker("dc-evaluation-first", main)
