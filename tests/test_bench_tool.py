@@ -193,3 +193,29 @@ def test_upstream_sites_build_their_ops_for_plain_architectures(value, plain):
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved
+
+
+def test_exposed_communication_is_the_time_no_computation_hides():
+    import bench_step
+    kernels = [(0, 10, "matmul"), (20, 30, "attention"), (5, 25, "communication"), (40, 45, "communication"),
+               (2, 8, "other")]
+    split = bench_step.device_time_split(kernels)
+    # busy: [0, 30] and [40, 45]; computing: [0, 10] and [20, 30]; exposed: (10, 20) and (40, 45)
+    assert split == {"device_busy_ms": 35, "exposed_communication_ms": 15}
+    assert bench_step.device_time_split([(0, 4, "communication")])["exposed_communication_ms"] == 4
+
+
+def test_split_trace_reads_the_kernels_of_a_profiled_trace(tmp_path):
+    trace = tmp_path / "t.json"
+    events = [{"cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 3000},
+              {"cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 1000, "dur": 6000},
+              {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000}]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    split = json.loads(proc.stdout)  # 3 steps: ms per step
+    assert split["device_busy_ms"] == pytest.approx(7 / 3) and split["exposed_communication_ms"] == pytest.approx(4 / 3)
+    assert split["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 2.0})
+    trace.write_text(json.dumps({"traceEvents": events[2:]}))
+    proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "no device kernels" in proc.stderr, proc.stderr
