@@ -71,3 +71,13 @@ def build(name):
 
 def vocab_size(name):
     return ZOO[name].sizes.get("vocab_size", 512)
+
+
+def token_batch(name, seed, rows, length):
+    """A batch for the zoo's model `name`: `rows` rows of `length` random tokens drawn from `seed` (ids from 3, past
+    the special tokens), every position attended, the labels the inputs (causal LM)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size(name), (rows, length), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}

@@ -26,9 +26,7 @@ PLAN = (("evaluate", 40), ("train", 40), ("train", 48), ("evaluate", 44), ("trai
 
 
 def make_batch(index, length):
-    gen = torch.Generator().manual_seed(4000 + index)
-    ids = torch.randint(3, zoo_models.vocab_size("llama"), (MICRO_BATCH, length), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return zoo_models.token_batch("llama", 4000 + index, MICRO_BATCH, length)
 
 
 def main(report):

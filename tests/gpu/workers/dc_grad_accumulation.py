@@ -57,9 +57,7 @@ def schedule(name):
 
 
 def make_batch(index, length):
-    gen = torch.Generator().manual_seed(2000 + index)
-    ids = torch.randint(3, zoo_models.vocab_size("llama"), (MICRO_BATCH, length), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return zoo_models.token_batch("llama", 2000 + index, MICRO_BATCH, length)
 
 
 def main(report):

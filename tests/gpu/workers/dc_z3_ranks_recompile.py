@@ -35,9 +35,7 @@ DIRECT = {0: (40, (40, 44)), 1: (45, (50, 37))}
 
 
 def make_batch(step, length):
-    gen = torch.Generator().manual_seed(3000 + 100 * int(os.environ.get("RANK", "0")) + step)
-    ids = torch.randint(3, zoo_models.vocab_size("llama"), (MICRO_BATCH, length), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    return zoo_models.token_batch("llama", 3000 + 100 * int(os.environ.get("RANK", "0")) + step, MICRO_BATCH, length)
 
 
 def main(report):
