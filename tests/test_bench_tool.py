@@ -219,3 +219,37 @@ def test_split_trace_reads_the_kernels_of_a_profiled_trace(tmp_path):
     trace.write_text(json.dumps({"traceEvents": events[2:]}))
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
     assert proc.returncode == 2 and "no device kernels" in proc.stderr, proc.stderr
+
+
+def test_weak_scaling_is_tokens_per_gpu_against_the_smallest_world_size(tmp_path):
+    def row(subject, site, gpus, step_s):
+        # 2048 tokens a GPU a step
+        return {"set": "s", "subject": subject, "site": site, "deepspeed": site, "gpus": gpus, "first_step_s": 1.0,
+                "blocks": [{"step_s": [step_s] * 3}], "flops_per_step": 1e12, "tokens_per_step": 2048 * gpus}
+    cli = _cli()
+    rows = [cli.summarize(r, 100.0) for r in (row("dc-z3", "fork", 2, 0.1), row("dc-z3", "fork", 4, 0.125),
+                                                 row("fsdp2", "-", 2, 0.2), row("dc-z3", "up", 4, 0.1))]
+    (w, ) = cli.weak_scaling(rows)  # "up" ran at one world size only: nothing to compare
+    assert (w["subject"], w["site"]) == ("dc-z3", "fork") and w["efficiency"] == {2: 1.0, 4: 0.8}, w
+    assert w["per_gpu_tokens_s"] == {2: 20480.0, 4: 16384.0}, w
+    data = {"device": "d", "gpus": [2, 4], "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
+            "steps": 3, "warmup": 1, "rows": rows}
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    md = (tmp_path / "bench.md").read_text()
+    assert "| s | dc-z3, 4 GPUs | fork | 0.1250" in md and "| s | dc-z3 | fork | 20480 (100.0 %) | 16384 (80.0 %) |" in md
+
+
+def test_several_world_sizes_run_side_by_side_in_one_group(tmp_path):
+    """--gpus 1,2: one process a world size, timed in turns; the weak-scaling table compares them (gloo here)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    proc = bench("--sets", "tiny", "--only", "ds-z1", "--gpus", "2,1", "--repeats", "2", "--steps", "2", "--warmup",
+                 "1", "--group-deadline-s", "600", "--budget-s", "700", "--out", str(tmp_path), timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "bench.json") as f:
+        data = json.load(f)
+    assert data["gpus"] == [1, 2]
+    assert [(r["gpus"], r["world_size"], len(r["blocks"])) for r in data["rows"]] == [(1, 1, 2), (2, 2, 2)], data
+    assert "| tiny | ds-z1 | here |" in (tmp_path / "bench.md").read_text()
+    assert bench("--gpus", "2,x", "--out", str(tmp_path / "bad")).returncode == 2
