@@ -201,8 +201,8 @@ def test_exposed_communication_is_the_time_no_computation_hides():
                (2, 8, "other")]
     split = bench_step.device_time_split(kernels)
     # busy: [0, 30] and [40, 45]; computing: [0, 10] and [20, 30]; exposed: (10, 20) and (40, 45)
-    assert split == {"device_busy_ms": 35, "exposed_communication_ms": 15}
-    assert bench_step.device_time_split([(0, 4, "communication")])["exposed_communication_ms"] == 4
+    assert split == {"device_busy": 35, "exposed_communication": 15}
+    assert bench_step.device_time_split([(0, 4, "communication")])["exposed_communication"] == 4
 
 
 def test_split_trace_reads_the_kernels_of_a_profiled_trace(tmp_path):

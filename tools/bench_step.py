@@ -116,7 +116,7 @@ def profile_steps(step, dev, n, trace):
                                     e.name.startswith("aten::")) / n}
     if on_device and kernels:
         spans = [(e.time_range.start, e.time_range.end, category(e.name)) for e in kernels]
-        summary.update({k: v / 1e3 / n for k, v in device_time_split(spans).items()})
+        summary.update({f"{k}_ms": us / 1e3 / n for k, us in device_time_split(spans).items()})
         summary["device_idle_ms"] = max(0.0, wall * 1e3 - summary["device_busy_ms"])
     return summary
 
@@ -140,7 +140,7 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
     kernels = [(e["ts"], e["ts"] + e["dur"], category(e["name"])) for e in events if e.get("cat") == "kernel"]
     if not kernels:
         raise ValueError(f"{path}: no device kernels in this trace")
-    split = {k: v / 1e3 / steps for k, v in device_time_split(kernels).items()}
+    split = {f"{k}_ms": us / 1e3 / steps for k, us in device_time_split(kernels).items()}
     split["device_ms"] = {}
     for a, b, cat in kernels:
         split["device_ms"][cat] = split["device_ms"].get(cat, 0.0) + (b - a) / 1e3 / steps
@@ -150,10 +150,10 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
 def device_time_split(kernels):
     """(start, end, category) of every kernel -> the time any kernel ran (device_busy), and the time a
     communication kernel ran while no other kernel did (exposed_communication): communication that computation
-    did not hide."""
+    did not hide. In the unit of the spans."""
     busy = covered([(a, b) for a, b, _ in kernels])
     computing = covered([(a, b) for a, b, cat in kernels if cat != "communication"])
-    return {"device_busy_ms": busy, "exposed_communication_ms": busy - computing}
+    return {"device_busy": busy, "exposed_communication": busy - computing}
 
 
 def build_model(name):
