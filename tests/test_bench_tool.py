@@ -214,7 +214,8 @@ def test_split_trace_reads_the_kernels_of_a_profiled_trace(tmp_path):
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     split = json.loads(proc.stdout)  # 3 steps: ms per step
-    assert split["device_busy_ms"] == pytest.approx(7 / 3) and split["exposed_communication_ms"] == pytest.approx(4 / 3)
+    assert split["device_busy_ms"] == pytest.approx(7 / 3)
+    assert split["exposed_communication_ms"] == pytest.approx(4 / 3)
     assert split["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 2.0})
     trace.write_text(json.dumps({"traceEvents": events[2:]}))
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
@@ -237,7 +238,8 @@ def test_weak_scaling_is_tokens_per_gpu_against_the_smallest_world_size(tmp_path
     (tmp_path / "bench.json").write_text(json.dumps(data))
     cli.render(str(tmp_path))
     md = (tmp_path / "bench.md").read_text()
-    assert "| s | dc-z3, 4 GPUs | fork | 0.1250" in md and "| s | dc-z3 | fork | 20480 (100.0 %) | 16384 (80.0 %) |" in md
+    assert "| s | dc-z3, 4 GPUs | fork | 0.1250" in md
+    assert "| s | dc-z3 | fork | 20480 (100.0 %) | 16384 (80.0 %) |" in md
 
 
 def test_several_world_sizes_run_side_by_side_in_one_group(tmp_path):
