@@ -1,0 +1,89 @@
+"""Worker for tests/test_checkpoint_writer_round_trip.py: save_checkpoint and load_checkpoint through DeepSpeed's
+checkpoint writer ("checkpoint": {"writer": {"type": "python"}}), one process on CPU (gloo, DS_ACCELERATOR=cpu).
+
+  python tests/cpu_workers/checkpoint_writer_round_trip.py --stage 3 --launcher torchrun
+
+--launcher says whose environment the process sees: DeepSpeed's launcher sets CROSS_SIZE and CROSS_RANK (machines,
+and this one's index), torchrun sets GROUP_RANK and LOCAL_WORLD_SIZE instead; "none" sets neither. The worker trains a step, saves, trains
+one more step, loads, trains that step again, and reports (one line, ROUND_TRIP_REPORT) how far it got, the error if
+any, whether the loaded parameters are the saved ones, and whether the repeated step gives the parameters the first
+one gave (Adam's update reads its moments: so they were restored too).
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import ensure_dist_env  # noqa: E402
+
+PREFIX = "ROUND_TRIP_REPORT "
+LAUNCHER_ENV = {"deepspeed": {"CROSS_SIZE": "1", "CROSS_RANK": "0"}, "torchrun": {"GROUP_RANK": "0"}, "none": {}}
+
+
+def snapshot(engine):
+    """Every fp32 parameter, full (ZeRO-3: gathered), as copies."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    return {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+
+
+def same(a, b):
+    return all(torch.equal(a[name], b[name]) for name in a)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, required=True, choices=[0, 1, 2, 3])
+    ap.add_argument("--launcher", required=True, choices=sorted(LAUNCHER_ENV))
+    args = ap.parse_args()
+    os.environ.update(LAUNCHER_ENV[args.launcher])
+    ensure_dist_env()  # one process: rank 0 of 1
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+    report = {"reached": "start", "error": None}
+    try:
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+            "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": args.stage},
+            "checkpoint": {"writer": {"type": "python"}},
+            "steps_per_print": 10**9,
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        report["reached"] = "initialize"
+
+        def step(seed):
+            x = torch.randn(2, 16, generator=torch.Generator().manual_seed(seed))
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+
+        step(1)
+        saved = snapshot(engine)
+        folder = tempfile.mkdtemp()
+        engine.save_checkpoint(folder, tag="t")
+        report["reached"] = "save"
+        step(2)
+        moved = snapshot(engine)
+        engine.load_checkpoint(folder, tag="t")
+        report["reached"] = "load"
+        report["moved_after_save"] = not same(saved, moved)
+        report["restored"] = same(saved, snapshot(engine))
+        step(2)
+        report["resumed"] = same(moved, snapshot(engine))
+    except Exception:
+        report["error"] = traceback.format_exc()
+    print(PREFIX + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

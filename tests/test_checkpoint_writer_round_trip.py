@@ -1,0 +1,44 @@
+"""DeepSpeed's checkpoint writer ("checkpoint": {"writer": {...}}) must load what it saved, under every ZeRO stage
+and under the launchers users start training with.
+
+Found on CPU in 0.19.8 (tests/cpu_workers/checkpoint_writer_round_trip.py, one gloo process, torch 2.11), one patch a
+row of CASES:
+- without DeepSpeed's own launcher (torchrun, accelerate launch) initialize failed with KeyError: 'CROSS_SIZE';
+- under ZeRO-0/1/2 initialize failed with AttributeError: 'UniversalParallelInfo' object has no attribute 'dp_rank';
+- under ZeRO-3 the checkpoint saved, and load_checkpoint failed with UnpicklingError: the writer's engines loaded
+  with torch.load's default weights_only=True since torch 2.6 (upstream #8500).
+The worker trains a step, saves, trains another, loads: every parameter must be the saved one, and the step
+trained again from there must give what it gave the first time (Adam's moments restored too).
+Started by neither launcher, initialize must say which variables it needs.
+"""
+
+import os
+
+import pytest
+
+import cpu_worker
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers", "checkpoint_writer_round_trip.py")
+
+# (stage, launcher): the patch whose defect the case shows
+CASES = {
+    (3, "deepspeed"): "checkpoint-writer-loads-what-it-saved",
+    (1, "deepspeed"): "checkpoint-writer-pure-data-parallel-rank",
+    (2, "deepspeed"): "checkpoint-writer-pure-data-parallel-rank",
+    (3, "torchrun"): "checkpoint-writer-without-the-deepspeed-launcher",
+}
+
+
+@pytest.mark.parametrize("stage,launcher", sorted(CASES), ids=[f"zero{s}-{l}" for s, l in sorted(CASES)])
+def test_the_checkpoint_writer_loads_what_it_saved(stage, launcher, tmp_path):
+    report, _ = cpu_worker.run(WORKER, ["--stage", str(stage), "--launcher", launcher], "ROUND_TRIP_REPORT ", tmp_path,
+                               timeout=300)
+    assert report["error"] is None, f"{CASES[stage, launcher]}: stopped after {report['reached']}:\n{report['error']}"
+    assert report["moved_after_save"] and report["restored"] and report["resumed"], report
+
+
+def test_without_a_launchers_variables_the_error_says_which_to_set(tmp_path):
+    report, _ = cpu_worker.run(WORKER, ["--stage", "1", "--launcher", "none"], "ROUND_TRIP_REPORT ", tmp_path,
+                               timeout=300)
+    assert report["reached"] == "start", report
+    assert "deepspeed launcher (CROSS_SIZE, CROSS_RANK) or torchrun (LOCAL_WORLD_SIZE, GROUP_RANK)" in report["error"]
