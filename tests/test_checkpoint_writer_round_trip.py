@@ -9,7 +9,8 @@ row of CASES:
   with torch.load's default weights_only=True since torch 2.6 (upstream #8500).
 The worker trains a step, saves, trains another, loads: every parameter must be the saved one, and the step
 trained again from there must give what it gave the first time (Adam's moments restored too).
-Started by neither launcher, initialize must say which variables it needs.
+Started by neither launcher, initialize must say which variables it needs. And, with any checkpoint engine, the Adam
+moments read through safe_get_full_optimizer_state right after the load must be the saved ones (ZeRO-1/2 failed).
 """
 
 import os
@@ -42,3 +43,13 @@ def test_without_a_launchers_variables_the_error_says_which_to_set(tmp_path):
                                timeout=300)
     assert report["reached"] == "start", report
     assert "deepspeed launcher (CROSS_SIZE, CROSS_RANK) or torchrun (LOCAL_WORLD_SIZE, GROUP_RANK)" in report["error"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_optimizer_state_reads_back_after_load(stage, tmp_path):
+    # patch zero12-optimizer-state-fragments-after-load: under ZeRO-1/2 safe_get_full_optimizer_state failed after
+    # load_checkpoint, with the default checkpoint engine too ("argument of type 'NoneType' is not iterable")
+    report, _ = cpu_worker.run(WORKER, ["--stage", str(stage), "--launcher", "deepspeed", "--writer", "none"],
+                               "ROUND_TRIP_REPORT ", tmp_path, timeout=300)
+    assert report["error"] is None, report["error"]
+    assert report["restored"] and report["resumed"] and report["moments_after_load"] == "saved", report

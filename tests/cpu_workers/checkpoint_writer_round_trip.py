@@ -1,5 +1,6 @@
 """Worker for tests/test_checkpoint_writer_round_trip.py: save_checkpoint and load_checkpoint through DeepSpeed's
-checkpoint writer ("checkpoint": {"writer": {"type": "python"}}), one process on CPU (gloo, DS_ACCELERATOR=cpu).
+checkpoint writer ("checkpoint": {"writer": {"type": "python"}}; --writer none: the default engine), one process on
+CPU (gloo, DS_ACCELERATOR=cpu).
 
   python tests/cpu_workers/checkpoint_writer_round_trip.py --stage 3 --launcher torchrun
 
@@ -7,7 +8,8 @@ checkpoint writer ("checkpoint": {"writer": {"type": "python"}}), one process on
 and this one's index), torchrun sets GROUP_RANK and LOCAL_WORLD_SIZE instead; "none" sets neither. The worker trains a step, saves, trains
 one more step, loads, trains that step again, and reports (one line, ROUND_TRIP_REPORT) how far it got, the error if
 any, whether the loaded parameters are the saved ones, and whether the repeated step gives the parameters the first
-one gave (Adam's update reads its moments: so they were restored too).
+one gave (Adam's update reads its moments: so they were restored too). It also reads the Adam moments right after
+the load through safe_get_full_optimizer_state, and reports whether they are the saved ones, or its error.
 """
 
 import argparse
@@ -32,6 +34,16 @@ def snapshot(engine):
     return {name: safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
 
 
+def moments(engine):
+    """Every parameter's Adam moments, full, as copies; or the error reading them raised."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+    try:
+        return {(name, key): safe_get_full_optimizer_state(p, key).clone()
+                for name, p in engine.module.named_parameters() for key in ("exp_avg", "exp_avg_sq")}
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def same(a, b):
     return all(torch.equal(a[name], b[name]) for name in a)
 
@@ -40,6 +52,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True, choices=[0, 1, 2, 3])
     ap.add_argument("--launcher", required=True, choices=sorted(LAUNCHER_ENV))
+    ap.add_argument("--writer", default="python", choices=["python", "none"])
     args = ap.parse_args()
     os.environ.update(LAUNCHER_ENV[args.launcher])
     ensure_dist_env()  # one process: rank 0 of 1
@@ -55,9 +68,10 @@ def main():
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
             "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": args.stage},
-            "checkpoint": {"writer": {"type": "python"}},
             "steps_per_print": 10**9,
         }
+        if args.writer != "none":
+            config["checkpoint"] = {"writer": {"type": args.writer}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         report["reached"] = "initialize"
 
@@ -68,7 +82,7 @@ def main():
             engine.step()
 
         step(1)
-        saved = snapshot(engine)
+        saved, saved_moments = snapshot(engine), moments(engine)
         folder = tempfile.mkdtemp()
         engine.save_checkpoint(folder, tag="t")
         report["reached"] = "save"
@@ -78,6 +92,9 @@ def main():
         report["reached"] = "load"
         report["moved_after_save"] = not same(saved, moved)
         report["restored"] = same(saved, snapshot(engine))
+        loaded_moments = moments(engine)
+        report["moments_after_load"] = (loaded_moments if isinstance(loaded_moments, str) else
+                                        "saved" if same(saved_moments, loaded_moments) else "differ")
         step(2)
         report["resumed"] = same(moved, snapshot(engine))
     except Exception:
