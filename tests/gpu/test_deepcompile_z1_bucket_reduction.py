@@ -6,7 +6,7 @@ of every backward (docs/bench.md: about 20 host ops a gradient in the profile of
 flush lie one after another in the bucket, so the fork divides and all-reduces them as one tensor and adds the results
 to the gradient buffers with one `_foreach_add_`.
 
-workers/dc_z1_reduce_ops.py trains stacks of 4 and 16 linear layers (8 and 32 parameter tensors) with eager and with
+workers/dc_reduce_ops.py trains stacks of 4 and 16 linear layers (8 and 32 parameter tensors) with eager and with
 DeepCompile ZeRO-1, fp32, and profiles one more DeepCompile step. The aten ops DeepCompile's
 reduction calls for the flush do not grow with the parameter count (each gradient's own copy into the bucket does),
 and the losses and gradient norms stay those of eager ZeRO-1. At world size 2 where the host has two GPUs.
@@ -20,7 +20,7 @@ import pytest
 from dist import DistJob, skip_reason
 
 TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "300"))
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_z1_reduce_ops.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_reduce_ops.py")
 LAYERS = (4, 16)
 # Aten ops a flush called once per gradient in 0.19.8: the division (div_ of a Scalar calls div_ of a Tensor, nested,
 # not counted again) and the add into the gradient buffer.
@@ -28,16 +28,17 @@ PER_GRADIENT_IN_0198 = ("aten::div_", "aten::add_")
 RTOL = 1e-4  # fp32; eager and DeepCompile differ only by Inductor's fused kernels
 
 
-def run(nprocs):
+def run(nprocs, stage=1):
+    """{layers: {rank: report}} of workers/dc_reduce_ops.py at ZeRO `stage`, one job per stack, side by side."""
     reason = skip_reason(nprocs)
     if reason:
         pytest.skip(f"GPU test: {reason}")
-    jobs = {n: DistJob(WORKER, ["--layers", n], nprocs=nprocs, timeout=TIMEOUT_S,
+    jobs = {n: DistJob(WORKER, ["--layers", n, "--stage", stage], nprocs=nprocs, timeout=TIMEOUT_S,
                        env={"TORCHINDUCTOR_COMPILE_THREADS": "1"}).start() for n in LAYERS}
     out = {}
     for n, job in jobs.items():
         res = job.wait()
-        res.save(f"dc_z1_bucket_reduction_ws{nprocs}_layers{n}")
+        res.save(f"dc_z{stage}_bucket_reduction_ws{nprocs}_layers{n}")
         assert res.ok, res.failure_message()
         out[n] = res.results
     return out

@@ -1,6 +1,7 @@
-"""Worker for test_deepcompile_z1_bucket_reduction.py: the host ops of DeepCompile ZeRO-1's gradient reduction.
+"""Worker for test_deepcompile_z1_bucket_reduction.py and test_deepcompile_bucket_division.py: the host ops of
+DeepCompile's gradient reduction at ZeRO stage `--stage` (1 by default).
 
-Trains a stack of `--layers` linear layers (fp32, torch's Adam) with eager ZeRO-1 and with DeepCompile ZeRO-1 on
+Trains a stack of `--layers` linear layers (fp32, torch's Adam) with eager ZeRO and with DeepCompile ZeRO on
 identical data, reports every loss and every step's global gradient norm, and profiles one more DeepCompile step: how
 many times DeepCompile's ops (`dc::reduce_grad`, `dc::end_backward`) call each aten op directly, so that the work of a
 bucket's flush can be told from the work of a gradient.
@@ -61,13 +62,15 @@ def ops_called_by_deepcompile(prof):
     return dict(calls)
 
 
-def train(layers, deepcompile, rank, device):
+def train(stage, layers, deepcompile, rank, device):
     import deepspeed
     torch.manual_seed(0)
     model = Stack(layers)
+    # ZeRO-3: every parameter partitioned, so that every gradient goes through DeepCompile's reduction
+    options = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_configs.zero(1, MICRO_BATCH, GAS, LR, deepcompile=deepcompile,
-                                                                  bf16=False))
+                                           config=ds_configs.zero(stage, MICRO_BATCH, GAS, LR, deepcompile=deepcompile,
+                                                                  bf16=False, **options))
     if deepcompile:
         engine.compile()
     rec = {"losses": [], "grad_norms": [], "deepcompile_active": bool(engine.is_deepcompile_active()),
@@ -99,17 +102,18 @@ def train(layers, deepcompile, rank, device):
 def main(report):
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, required=True)
+    parser.add_argument("--stage", type=int, default=1, choices=[1, 2, 3])
     parser.add_argument("--deadline", type=float, default=240)
     args = parser.parse_args()
     stacks_at_deadline(args.deadline)
 
     device = setup_device()
     describe(report)
-    report["layers"] = args.layers
+    report["layers"], report["stage"] = args.layers, args.stage
     for name, deepcompile in (("eager", False), ("deepcompile", True)):
-        report[name] = train(args.layers, deepcompile, report["rank"], device)
+        report[name] = train(args.stage, args.layers, deepcompile, report["rank"], device)
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    run_worker("dc_z1_reduce_ops", main)
+    run_worker("dc_reduce_ops", main)
