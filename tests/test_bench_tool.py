@@ -91,6 +91,8 @@ def test_only_keeps_the_named_subjects_of_each_group():
     (["--repeats", "0"], "must be at least 1"),
     (["--profile", "ds-z9"], "--profile ds-z9: not a subject"),
     (["--sets", "default", "--only", "dc-z1,ds-z2"], "--only ds-z2: not a subject of the sets default"),
+    (["--sets", "multi-gpu", "--only", "dc-z3", "--gpus", "2,4", "--apart", "0,1,2,3"],
+     "--apart 0,1,2,3: the group dc-z3 of the set multi-gpu needs 6 GPUs"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message):
     proc = bench(*args, "--out", str(tmp_path / "out"), timeout=60)
@@ -255,3 +257,18 @@ def test_several_world_sizes_run_side_by_side_in_one_group(tmp_path):
     assert [(r["gpus"], r["world_size"], len(r["blocks"])) for r in data["rows"]] == [(1, 1, 2), (2, 2, 2)], data
     assert "| tiny | ds-z1 | here |" in (tmp_path / "bench.md").read_text()
     assert bench("--gpus", "2,x", "--out", str(tmp_path / "bad")).returncode == 2
+
+
+def test_apart_gives_each_process_gpus_of_its_own(tmp_path):
+    """--apart: the processes of a group take the listed GPUs one after another (a 1-rank and a 2-rank process of
+    one subject here), so that none shares a device with another's compiles and memory (gloo on CPU: the visible
+    devices each process saw are what is checked)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    proc = bench("--sets", "tiny", "--only", "ds-z1", "--gpus", "1,2", "--apart", "5,6,7", "--repeats", "1", "--steps",
+                 "1", "--warmup", "1", "--group-deadline-s", "600", "--budget-s", "700", "--out", str(tmp_path),
+                 timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / "bench.json") as f:
+        rows = json.load(f)["rows"]
+    assert [(r["gpus"], r["devices"], r["cuda_visible_devices"]) for r in rows] == [(1, "5", "5"), (2, "6,7", "6,7")]

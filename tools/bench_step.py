@@ -293,7 +293,8 @@ def main():
                                    * args.seq),
                 "tokens_per_step": args.batch * args.seq * world, "world_size": world,
                 "torch": torch.__version__, "transformers": transformers.__version__,
-                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
         try:
             import deepspeed
             info["deepspeed"] = deepspeed.__version__
