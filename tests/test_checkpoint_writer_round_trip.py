@@ -11,9 +11,14 @@ The worker trains a step, saves, trains another, loads: every parameter must be 
 trained again from there must give what it gave the first time (Adam's moments restored too).
 Started by neither launcher, initialize must say which variables it needs. And, with any checkpoint engine, the Adam
 moments read through safe_get_full_optimizer_state right after the load must be the saved ones (ZeRO-1/2 failed).
+The decoupled writer (a background process that writes) must do the same: under ZeRO-1/2 its save failed, and
+load_checkpoint right after a save found no checkpoint.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -53,3 +58,42 @@ def test_the_optimizer_state_reads_back_after_load(stage, tmp_path):
                                "ROUND_TRIP_REPORT ", tmp_path, timeout=300)
     assert report["error"] is None, report["error"]
     assert report["restored"] and report["resumed"] and report["moments_after_load"] == "saved", report
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_decoupled_writer_loads_what_it_saved(stage, tmp_path):
+    # patch checkpoint-writer-decoupled-sends-detached-tensors: under ZeRO-1/2 save_checkpoint failed with "Cowardly
+    # refusing to serialize non-leaf tensor which requires_grad" (the fp32 partitions without their padding are
+    # views of tensors that require grad, and a queue to another process takes no autograd)
+    report, _ = cpu_worker.run(WORKER, ["--stage", str(stage), "--launcher", "deepspeed", "--writer", "decoupled"],
+                               "ROUND_TRIP_REPORT ", tmp_path, timeout=300)
+    assert report["error"] is None, f"stopped after {report['reached']}:\n{report['error']}"
+    assert report["moved_after_save"] and report["restored"] and report["resumed"], report
+    assert report["moments_after_load"] == "saved", report
+
+
+def test_a_program_with_the_decoupled_writer_ends_without_destroy(tmp_path):
+    # patch checkpoint-writer-decoupled-process-exits-with-the-program: the worker never calls engine.destroy(), as a
+    # training script or the Trainer does not; multiprocessing joined the writer's process at exit, and that process
+    # waited for requests for ever. ZeRO-3, whose save needed no other patch: its round trip is checked too.
+    cmd = [sys.executable, WORKER, "--stage", "3", "--launcher", "deepspeed", "--writer", "decoupled"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=cpu_worker.cpu_env(), cwd=str(tmp_path),
+                              timeout=240)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the program did not end within 240 s; it printed:\n{(e.stdout or b'')[-2000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ROUND_TRIP_REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(lines[-1][len("ROUND_TRIP_REPORT "):])
+    assert report["error"] is None and report["restored"] and report["resumed"], report
+
+
+@pytest.mark.parametrize("writer", ["decoupled", "python"])
+def test_a_checkpoint_loads_right_after_its_save(writer, tmp_path):
+    # patch checkpoint-writer-decoupled-commits-before-load: the decoupled writer commits a checkpoint (and writes
+    # `latest`) at the next optimizer step, so load_checkpoint right after save_checkpoint found no checkpoint and
+    # loaded nothing (the Trainer's load_best_model_at_end, when the best is the last); the python writer is the control
+    report, _ = cpu_worker.run(WORKER, ["--stage", "3", "--launcher", "deepspeed", "--writer", writer, "--load-at-once"],
+                               "ROUND_TRIP_REPORT ", tmp_path, timeout=300)
+    assert report["error"] is None, f"stopped after {report['reached']}:\n{report['error']}"
+    assert report["load_path"] and report["restored"], report

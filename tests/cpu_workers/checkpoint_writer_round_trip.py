@@ -1,6 +1,6 @@
 """Worker for tests/test_checkpoint_writer_round_trip.py: save_checkpoint and load_checkpoint through DeepSpeed's
-checkpoint writer ("checkpoint": {"writer": {"type": "python"}}; --writer none: the default engine), one process on
-CPU (gloo, DS_ACCELERATOR=cpu).
+checkpoint writer ("checkpoint": {"writer": {"type": "python"}}; --writer decoupled: the same writer in a background
+process; --writer none: the default engine), one process on CPU (gloo, DS_ACCELERATOR=cpu).
 
   python tests/cpu_workers/checkpoint_writer_round_trip.py --stage 3 --launcher torchrun
 
@@ -10,6 +10,9 @@ one more step, loads, trains that step again, and reports (one line, ROUND_TRIP_
 any, whether the loaded parameters are the saved ones, and whether the repeated step gives the parameters the first
 one gave (Adam's update reads its moments: so they were restored too). It also reads the Adam moments right after
 the load through safe_get_full_optimizer_state, and reports whether they are the saved ones, or its error.
+--load-at-once: no step between save and load (as the Trainer loads its best checkpoint at the end, which may be the
+one just saved): load_checkpoint without a tag must find the checkpoint through the `latest` file, and the parameters
+it loads must be the saved ones.
 """
 
 import argparse
@@ -52,7 +55,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True, choices=[0, 1, 2, 3])
     ap.add_argument("--launcher", required=True, choices=sorted(LAUNCHER_ENV))
-    ap.add_argument("--writer", default="python", choices=["python", "none"])
+    ap.add_argument("--writer", default="python", choices=["python", "decoupled", "none"])
+    ap.add_argument("--load-at-once", action="store_true")
     args = ap.parse_args()
     os.environ.update(LAUNCHER_ENV[args.launcher])
     ensure_dist_env()  # one process: rank 0 of 1
@@ -71,7 +75,7 @@ def main():
             "steps_per_print": 10**9,
         }
         if args.writer != "none":
-            config["checkpoint"] = {"writer": {"type": args.writer}}
+            config["checkpoint"] = {"writer": {"type": "python", "decoupled": args.writer == "decoupled"}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         report["reached"] = "initialize"
 
@@ -84,19 +88,28 @@ def main():
         step(1)
         saved, saved_moments = snapshot(engine), moments(engine)
         folder = tempfile.mkdtemp()
-        engine.save_checkpoint(folder, tag="t")
-        report["reached"] = "save"
-        step(2)
-        moved = snapshot(engine)
-        engine.load_checkpoint(folder, tag="t")
-        report["reached"] = "load"
-        report["moved_after_save"] = not same(saved, moved)
-        report["restored"] = same(saved, snapshot(engine))
-        loaded_moments = moments(engine)
-        report["moments_after_load"] = (loaded_moments if isinstance(loaded_moments, str) else
-                                        "saved" if same(saved_moments, loaded_moments) else "differ")
-        step(2)
-        report["resumed"] = same(moved, snapshot(engine))
+        if args.load_at_once:
+            # Nothing changes between the two: the decoupled writer captures the state when it commits (at the
+            # next step, which comes after the commit), so a change made before that would be in the checkpoint.
+            engine.save_checkpoint(folder)
+            report["reached"] = "save"
+            report["load_path"], _ = engine.load_checkpoint(folder)
+            report["reached"] = "load"
+            report["restored"] = same(saved, snapshot(engine))
+        else:
+            engine.save_checkpoint(folder, tag="t")
+            report["reached"] = "save"
+            step(2)
+            moved = snapshot(engine)
+            engine.load_checkpoint(folder, tag="t")
+            report["reached"] = "load"
+            report["moved_after_save"] = not same(saved, moved)
+            report["restored"] = same(saved, snapshot(engine))
+            loaded_moments = moments(engine)
+            report["moments_after_load"] = (loaded_moments if isinstance(loaded_moments, str) else
+                                            "saved" if same(saved_moments, loaded_moments) else "differ")
+            step(2)
+            report["resumed"] = same(moved, snapshot(engine))
     except Exception:
         report["error"] = traceback.format_exc()
     print(PREFIX + json.dumps(report), flush=True)
