@@ -24,11 +24,16 @@ def cpu_env(**extra):
 
 
 def run(script, args, prefix, cwd, timeout=600, **extra_env):
-    """(the report the worker printed after `prefix`, everything it printed); skips where deepspeed is missing."""
+    """(the report the worker printed after `prefix`, everything it printed); skips where deepspeed is missing, fails
+    when the worker does not end within `timeout` s (having printed its report or not)."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not importable")
-    proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=cpu_env(**extra_env),
-                          cwd=str(cwd), timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                              env=cpu_env(**extra_env), cwd=str(cwd), timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        printed = e.stdout.decode("utf-8", "replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"{os.path.basename(script)} did not end within {timeout} s; it printed:\n{printed[-3000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1][len(prefix):]), proc.stdout + proc.stderr
