@@ -39,18 +39,25 @@ def run(script, args, prefix, cwd, timeout=600, **extra_env):
     return json.loads(lines[-1][len(prefix):]), proc.stdout + proc.stderr
 
 
-def run_two_ranks(script, args, timeout=240):
-    """Two gloo ranks of a worker that ends by all-reducing a bucket of 1s on rank 0 and 2s on rank 1 (DeepCompile's
-    collective-ordering tests), under tests/gpu/dist.py's launcher on DeepSpeed's CPU accelerator. Checks that both
-    reported without an error and that the bucket met the bucket (3.0 on both: no stray collective of one rank
-    paired with it); returns {rank: report}."""
+def run_ranks(script, args, nprocs=2, timeout=240):
+    """`nprocs` gloo ranks of a worker under tests/gpu/dist.py's launcher on DeepSpeed's CPU accelerator, each
+    writing its report to dist.result_path(). Checks that every rank ended and reported without an error; returns
+    {rank: report}."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not importable")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu"))
     from dist import DistJob
-    res = DistJob(script, args, nprocs=2, timeout=timeout, env={"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
-    res = res.start().wait()
-    assert res.ok and sorted(res.results) == [0, 1], res.failure_message()
-    assert [res.results[r].get("error") for r in (0, 1)] == [None, None], res.results
-    assert [res.results[r]["reduced"] for r in (0, 1)] == [3.0, 3.0], res.results
+    res = DistJob(script, args, nprocs=nprocs, timeout=timeout,
+                  env={"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}).start().wait()
+    assert res.ok and sorted(res.results) == list(range(nprocs)), res.failure_message()
+    assert [res.results[r].get("error") for r in range(nprocs)] == [None] * nprocs, res.results
     return res.results
+
+
+def run_two_ranks(script, args, timeout=240):
+    """run_ranks at two ranks for a worker that ends by all-reducing a bucket of 1s on rank 0 and 2s on rank 1
+    (DeepCompile's collective-ordering tests); checks also that the bucket met the bucket (3.0 on both: no stray
+    collective of one rank paired with it)."""
+    results = run_ranks(script, args, nprocs=2, timeout=timeout)
+    assert [results[r]["reduced"] for r in (0, 1)] == [3.0, 3.0], results
+    return results

@@ -12,7 +12,8 @@ trained again from there must give what it gave the first time (Adam's moments r
 Started by neither launcher, initialize must say which variables it needs. And, with any checkpoint engine, the Adam
 moments read through safe_get_full_optimizer_state right after the load must be the saved ones (ZeRO-1/2 failed).
 The decoupled writer (a background process that writes) must do the same: under ZeRO-1/2 its save failed, and
-load_checkpoint right after a save found no checkpoint.
+load_checkpoint right after a save found no checkpoint. At two gloo ranks too, each rank with a writer process of its
+own, into one folder.
 """
 
 import os
@@ -88,3 +89,17 @@ def test_a_checkpoint_loads_right_after_its_save(writer, tmp_path):
                                "ROUND_TRIP_REPORT ", tmp_path, timeout=300)
     assert report["error"] is None, f"stopped after {report['reached']}:\n{report['error']}"
     assert report["load_path"] and report["restored"], report
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_decoupled_writer_round_trips_at_two_ranks(stage, tmp_path):
+    # Each rank hands its partition to a writer process of its own, all into one folder, and loads it back. Under
+    # ZeRO-1/2 every rank's save failed before patch checkpoint-writer-decoupled-sends-detached-tensors.
+    folder = tmp_path / "ckpt"
+    ranks = cpu_worker.run_ranks(WORKER, ["--stage", str(stage), "--launcher", "deepspeed", "--writer", "decoupled",
+                                          "--folder", str(folder)])
+    for rank, report in ranks.items():
+        assert report["moved_after_save"] and report["restored"] and report["resumed"], (rank, report)
+        assert report["moments_after_load"] == "saved", (rank, report)
+    partitions = sorted(p.name for p in (folder / "t").glob("*optim_states.pt"))
+    assert len(partitions) == 2 and "rank_0" in partitions[0] and "rank_1" in partitions[1], partitions

@@ -13,6 +13,8 @@ the load through safe_get_full_optimizer_state, and reports whether they are the
 --load-at-once: no step between save and load (as the Trainer loads its best checkpoint at the end, which may be the
 one just saved): load_checkpoint without a tag must find the checkpoint through the `latest` file, and the parameters
 it loads must be the saved ones.
+At several ranks (started by tests/gpu/dist.py, --folder naming the one checkpoint folder of all ranks) each rank
+also writes its report to dist.result_path().
 """
 
 import argparse
@@ -24,8 +26,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(TESTS, "gpu", "workers"), os.path.join(TESTS, "gpu")]
 from founding_common import ensure_dist_env  # noqa: E402
+from dist import RESULT_DIR_ENV, result_path  # noqa: E402
 
 PREFIX = "ROUND_TRIP_REPORT "
 LAUNCHER_ENV = {"deepspeed": {"CROSS_SIZE": "1", "CROSS_RANK": "0"}, "torchrun": {"GROUP_RANK": "0"}, "none": {}}
@@ -57,6 +61,7 @@ def main():
     ap.add_argument("--launcher", required=True, choices=sorted(LAUNCHER_ENV))
     ap.add_argument("--writer", default="python", choices=["python", "decoupled", "none"])
     ap.add_argument("--load-at-once", action="store_true")
+    ap.add_argument("--folder", help="the checkpoint folder, the same for every rank (default: a new temporary one)")
     args = ap.parse_args()
     os.environ.update(LAUNCHER_ENV[args.launcher])
     ensure_dist_env()  # one process: rank 0 of 1
@@ -87,7 +92,7 @@ def main():
 
         step(1)
         saved, saved_moments = snapshot(engine), moments(engine)
-        folder = tempfile.mkdtemp()
+        folder = args.folder or tempfile.mkdtemp()
         if args.load_at_once:
             # Nothing changes between the two: the decoupled writer captures the state when it commits (at the
             # next step, which comes after the commit), so a change made before that would be in the checkpoint.
@@ -113,6 +118,9 @@ def main():
     except Exception:
         report["error"] = traceback.format_exc()
     print(PREFIX + json.dumps(report), flush=True)
+    if RESULT_DIR_ENV in os.environ:
+        with open(result_path(), "w") as f:
+            json.dump(report, f)
 
 
 if __name__ == "__main__":
