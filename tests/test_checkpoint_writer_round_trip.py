@@ -93,8 +93,9 @@ def test_a_checkpoint_loads_right_after_its_save(writer, tmp_path):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_decoupled_writer_round_trips_at_two_ranks(stage, tmp_path):
-    # Each rank hands its partition to a writer process of its own, all into one folder, and loads it back. Under
-    # ZeRO-1/2 every rank's save failed before patch checkpoint-writer-decoupled-sends-detached-tensors.
+    # Each rank hands its partition to a writer process of its own, all into one folder, and loads it back. Before
+    # fork.30, under ZeRO-1/2 every rank's save failed (checkpoint-writer-decoupled-sends-detached-tensors), and under
+    # ZeRO-3 the job never ended after both ranks' reports (checkpoint-writer-decoupled-process-exits-with-the-program).
     folder = tmp_path / "ckpt"
     ranks = cpu_worker.run_ranks(WORKER, ["--stage", str(stage), "--launcher", "deepspeed", "--writer", "decoupled",
                                           "--folder", str(folder)])

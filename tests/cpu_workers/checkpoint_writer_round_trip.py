@@ -64,7 +64,7 @@ def main():
     ap.add_argument("--folder", help="the checkpoint folder, the same for every rank (default: a new temporary one)")
     args = ap.parse_args()
     os.environ.update(LAUNCHER_ENV[args.launcher])
-    ensure_dist_env()  # one process: rank 0 of 1
+    ensure_dist_env()  # started alone: rank 0 of 1; under torchrun its variables stay
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     report = {"reached": "start", "error": None}
     try:
