@@ -104,3 +104,16 @@ def test_the_decoupled_writer_round_trips_at_two_ranks(stage, tmp_path):
         assert report["moments_after_load"] == "saved", (rank, report)
     partitions = sorted(p.name for p in (folder / "t").glob("*optim_states.pt"))
     assert len(partitions) == 2 and "rank_0" in partitions[0] and "rank_1" in partitions[1], partitions
+
+
+@pytest.mark.parametrize("writer,stage", [("decoupled", 1), ("decoupled", 3), ("python", 3)])
+def test_the_last_checkpoint_of_a_run_resumes(writer, stage, tmp_path):
+    # patch checkpoint-writer-decoupled-last-checkpoint-has-latest: a run that saves and ends (the Trainer's last
+    # checkpoint) left its checkpoint without `latest`, written only at a next step that never came; resuming from it
+    # without a tag (the Trainer's resume_from_checkpoint) then loaded nothing. The python writer is the control.
+    args = ["--stage", str(stage), "--launcher", "deepspeed", "--writer", writer, "--folder", str(tmp_path / "ckpt")]
+    saved, _ = cpu_worker.run(WORKER, args + ["--end-after-save"], "ROUND_TRIP_REPORT ", tmp_path, timeout=240)
+    assert saved["error"] is None, f"stopped after {saved['reached']}:\n{saved['error']}"
+    resumed, _ = cpu_worker.run(WORKER, args + ["--resume"], "ROUND_TRIP_REPORT ", tmp_path, timeout=240)
+    assert resumed["error"] is None, f"stopped after {resumed['reached']}:\n{resumed['error']}"
+    assert resumed["load_path"] and resumed["restored"], resumed

@@ -15,6 +15,9 @@ one just saved): load_checkpoint without a tag must find the checkpoint through 
 it loads must be the saved ones.
 At several ranks (started by tests/gpu/dist.py, --folder naming the one checkpoint folder of all ranks) each rank
 also writes its report to dist.result_path().
+--end-after-save: train a step, save without a tag (as the Trainer saves its last checkpoint) and end, without
+engine.destroy(), keeping the saved parameters beside the checkpoint; --resume, started afterwards on the same
+--folder: load without a tag (through `latest`, as the Trainer resumes) and report whether the parameters are those.
 """
 
 import argparse
@@ -62,6 +65,8 @@ def main():
     ap.add_argument("--writer", default="python", choices=["python", "decoupled", "none"])
     ap.add_argument("--load-at-once", action="store_true")
     ap.add_argument("--folder", help="the checkpoint folder, the same for every rank (default: a new temporary one)")
+    ap.add_argument("--end-after-save", action="store_true")
+    ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
     os.environ.update(LAUNCHER_ENV[args.launcher])
     ensure_dist_env()  # started alone: rank 0 of 1; under torchrun its variables stay
@@ -90,31 +95,41 @@ def main():
             engine.backward(loss)
             engine.step()
 
-        step(1)
-        saved, saved_moments = snapshot(engine), moments(engine)
         folder = args.folder or tempfile.mkdtemp()
-        if args.load_at_once:
-            # Nothing changes between the two: the decoupled writer captures the state when it commits (at the
-            # next step, which comes after the commit), so a change made before that would be in the checkpoint.
-            engine.save_checkpoint(folder)
-            report["reached"] = "save"
+        expected = os.path.join(folder, "saved-parameters.pt")
+        if args.resume:
             report["load_path"], _ = engine.load_checkpoint(folder)
             report["reached"] = "load"
-            report["restored"] = same(saved, snapshot(engine))
+            report["restored"] = same(torch.load(expected), snapshot(engine))
         else:
-            engine.save_checkpoint(folder, tag="t")
-            report["reached"] = "save"
-            step(2)
-            moved = snapshot(engine)
-            engine.load_checkpoint(folder, tag="t")
-            report["reached"] = "load"
-            report["moved_after_save"] = not same(saved, moved)
-            report["restored"] = same(saved, snapshot(engine))
-            loaded_moments = moments(engine)
-            report["moments_after_load"] = (loaded_moments if isinstance(loaded_moments, str) else
-                                            "saved" if same(saved_moments, loaded_moments) else "differ")
-            step(2)
-            report["resumed"] = same(moved, snapshot(engine))
+            step(1)
+            saved, saved_moments = snapshot(engine), moments(engine)
+            if args.end_after_save:
+                engine.save_checkpoint(folder)
+                torch.save(saved, expected)
+                report["reached"] = "save"
+            elif args.load_at_once:
+                # Nothing changes between the two: the decoupled writer captures the state when it commits (at the
+                # next step, which comes after the commit), so a change made before that would be in the checkpoint.
+                engine.save_checkpoint(folder)
+                report["reached"] = "save"
+                report["load_path"], _ = engine.load_checkpoint(folder)
+                report["reached"] = "load"
+                report["restored"] = same(saved, snapshot(engine))
+            else:
+                engine.save_checkpoint(folder, tag="t")
+                report["reached"] = "save"
+                step(2)
+                moved = snapshot(engine)
+                engine.load_checkpoint(folder, tag="t")
+                report["reached"] = "load"
+                report["moved_after_save"] = not same(saved, moved)
+                report["restored"] = same(saved, snapshot(engine))
+                loaded_moments = moments(engine)
+                report["moments_after_load"] = (loaded_moments if isinstance(loaded_moments, str) else
+                                                "saved" if same(saved_moments, loaded_moments) else "differ")
+                step(2)
+                report["resumed"] = same(moved, snapshot(engine))
     except Exception:
         report["error"] = traceback.format_exc()
     print(PREFIX + json.dumps(report), flush=True)
