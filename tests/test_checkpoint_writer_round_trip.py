@@ -13,7 +13,8 @@ Started by neither launcher, initialize must say which variables it needs. And, 
 moments read through safe_get_full_optimizer_state right after the load must be the saved ones (ZeRO-1/2 failed).
 The decoupled writer (a background process that writes) must do the same: under ZeRO-1/2 its save failed, and
 load_checkpoint right after a save found no checkpoint. At two gloo ranks too, each rank with a writer process of its
-own, into one folder.
+own, into one folder. And a run that saves and ends must leave a checkpoint a later run resumes without a tag (the
+decoupled writer left it without `latest`).
 """
 
 import os
