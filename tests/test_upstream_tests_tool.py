@@ -166,6 +166,16 @@ def test_guard_refuses_a_package_inside_the_checkout(fake):
     assert res.returncode == 2 and "lies inside the upstream checkout" in res.stderr
 
 
+def test_a_pytest_that_misses_upstreams_distributed_fixtures_is_refused(fake):
+    # From pytest 8.4 on, upstream's DistributedFixture fixtures are not found: every test taking one would fail at
+    # setup ("fixture 'baseline_ws2' not found"), false failures charged to the package under test. The pytest the
+    # test runs import (here a fake one first on their path) is checked before anything runs.
+    _write(str(fake / "site" / "pytest" / "__init__.py"), "__version__ = '8.4.2'\n")
+    res, summary = run_tool(fake)
+    assert res.returncode == 2 and summary is None, res.stdout + res.stderr
+    assert "pytest 8.4.2: upstream's tests need pytest < 8.4" in res.stderr, res.stderr
+
+
 def test_unexpected_failure_and_unexpected_pass_exit_nonzero(fake):
     _write(str(fake / "expected.txt"), "unit/test_a.py::test_passes | wrongly listed\nunit/test_broken.py | gone\n")
     res, summary = run_tool(fake)
