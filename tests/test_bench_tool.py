@@ -65,7 +65,10 @@ def test_two_ranks_run_the_protocol_and_the_profile_together(tmp_path):
         (row, ) = json.load(f)["rows"]
     assert "error" not in row, row.get("output_tail")
     assert row["world_size"] == 2 and row["tokens_per_step"] == 2 * 2 * 32 and len(row["blocks"]) == 2, row
-    assert row["profile"]["host_aten_ops"] > 0 and os.listdir(tmp_path / "traces"), row["profile"]
+    assert row["profile"]["host_aten_ops"] > 0, row["profile"]
+    # A trace of each rank: rank 1's shows what rank 0's cannot, the time a collective waited for the other rank.
+    traces = sorted(os.listdir(tmp_path / "traces"))
+    assert len(traces) == 2 and traces[1] == traces[0][:-len(".json")] + ".rank1.json", traces
 
 
 @pytest.mark.parametrize("model,skipped_share", [("tiny", 0), ("tiny-moe", 2 / 4)])

@@ -121,6 +121,16 @@ def profile_steps(step, dev, n, trace):
     return summary
 
 
+def rank_trace(path, rank):
+    """Where a rank writes its trace: PATH for rank 0, PATH's stem + .rankN.json for rank N. Every rank writes one: at
+    several ranks a collective's kernel runs until the last rank arrives, so only the other ranks' traces tell
+    communication from waiting for a slower rank."""
+    if rank == 0:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"
+
+
 def covered(spans):
     """The length of the union of the (start, end) intervals."""
     total, hi = 0.0, None
@@ -318,7 +328,7 @@ def main():
                 profiled = True
                 with open(got) as f:
                     trace = f.read().strip()
-                summary = profile_steps(step, dev, PROFILED_STEPS, trace if rank == 0 else None)
+                summary = profile_steps(step, dev, PROFILED_STEPS, rank_trace(trace, rank))
                 if rank == 0:
                     write(base + ".prof", summary)
                 continue
