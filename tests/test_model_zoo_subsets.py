@@ -4,6 +4,7 @@ itself skips."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -106,6 +107,58 @@ def test_each_rank_gets_micro_batches_of_its_own_length_and_padding(monkeypatch,
     assert zoo_cell.make_batch(3)["input_ids"].shape[1] == zoo_cell.LENGTHS[3]
     old = [n for n in range(33, 64) if n % 8]
     assert zoo_cell.LENGTHS[:len(old)] == old
+
+
+BUSY_WORKER = """\
+import os, re, sys, threading, time
+sys.path.insert(0, {workers!r})
+from founding_common import stacks_at_deadline
+
+def read_the_environment(depth):
+    if depth:
+        return read_the_environment(depth - 1)
+    while True:  # the thread faulthandler was printing when it crashed a rank (zoo run 12)
+        os.environ.get("PATH")
+        time.sleep(0.001)
+
+def wait_for_a_collective_that_never_comes():
+    time.sleep(120)
+
+def hold_the_gil():
+    re.match(r"(a+)+$", "a" * 40 + "b")  # the regular expression engine never releases the GIL
+
+stacks_at_deadline(2)
+if os.environ["RANK"] == "0":
+    for _ in range(4):
+        threading.Thread(target=read_the_environment, args=(200,), daemon=True).start()
+    wait_for_a_collective_that_never_comes()
+else:
+    hold_the_gil()
+"""
+
+
+def test_a_deadline_dump_shows_the_main_thread_first_beside_busy_threads(two_ranks, tmp_path):
+    """Zoo run 12 (4xH100): a rank died with SIGSEGV in the middle of faulthandler's dump, which reads other threads'
+    frames while they run, and faulthandler prints the main thread last, so that a dump cut to STACKS_CHARS loses the
+    one frame that matters ("rank 3 in ?"). The dump is now written under the GIL, the main thread's first: rank 0
+    hangs beside four threads 200 frames deep. Rank 1 holds the GIL in C, where no Python thread can run, and
+    faulthandler still writes its stacks, a few seconds late."""
+    from dist import DistJob
+    (tmp_path / "workers").mkdir()
+    script = tmp_path / "workers" / "hung.py"
+    script.write_text(BUSY_WORKER.format(workers=os.path.dirname(zoo_cell.__file__)))
+    res = DistJob(str(script), nprocs=2, timeout=90).start().wait()
+    assert sorted(res.stacks) == [0, 1], (res.stacks, res.tail())
+    key = ("cell", "llama", "2+oc", "deepcompile")
+    summary = zoo._summaries(key, res)[key]
+    assert "wait_for_a_collective_that_never_comes" in summary["stacks"]["0"], summary["stacks"]["0"][-1000:]
+    assert "hold_the_gil" in summary["stacks"]["1"], summary["stacks"]["1"]
+    path = tmp_path / "zoo.json"
+    path.write_text(json.dumps({"deepspeed": "x", "wall_s": 1.0, "ranks": 2, "cells": {"/".join(key): summary}}))
+    tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "zoo-table")
+    out = subprocess.run([sys.executable, tool, str(path)], capture_output=True, text=True, timeout=60)
+    line = BUSY_WORKER.splitlines().index("    time.sleep(120)") + 1
+    assert f"rank 0 in hung.py:{line} wait_for_a_collective_that_never_comes" in out.stdout, out.stdout + out.stderr
 
 
 HUNG_WORKER = """\

@@ -9,7 +9,6 @@ losses and each step's global gradient norm, and how far the plan got.
 """
 
 import argparse
-import faulthandler
 import os
 import sys
 
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
 
@@ -65,7 +64,7 @@ def main(report):
             rec["grad_norms"].append(float(engine.get_global_grad_norm()))
     rec["reached"] = "done"
     report.write()
-    faulthandler.cancel_dump_traceback_later()
+    cancel_deadline()
     engine.destroy()
 
 

@@ -17,7 +17,6 @@ DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile Ze
 """
 
 import argparse
-import faulthandler
 import os
 import sys
 
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
 import compile_phases  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
@@ -104,7 +103,7 @@ def main(report):
             rec["inductor_graphs_by_step"].append(lowered - lowered_before)
             lowered_before = lowered
         report.write()
-    faulthandler.cancel_dump_traceback_later()
+    cancel_deadline()
     engine.destroy()
 
 

@@ -15,7 +15,6 @@ losses and the Dynamo graphs after each call.
 """
 
 import argparse
-import faulthandler
 import os
 import sys
 
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
 from zoo_cell import Counters  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
@@ -60,7 +59,7 @@ def main(report):
     CASES[args.case](engine, device, report, args.mode, Counters())
     report["run"]["reached"] = "done"
     report.write()
-    faulthandler.cancel_dump_traceback_later()
+    cancel_deadline()
     engine.destroy()
 
 

@@ -48,21 +48,69 @@ def finite(values):
 # After its deadline a rank lives this long, so that the other ranks, whose deadlines started a little later, write
 # their stacks too: the first rank to leave makes torchrun stop the others (2xH200: rank 1's stacks were lost so).
 DEADLINE_GRACE_S = 30
+# faulthandler writes the stacks only if the watchdog thread has not this long after the deadline: a thread that
+# holds the GIL (a C loop that never releases it) keeps the watchdog from running.
+FAULTHANDLER_AFTER_S = 5
+_deadline = None
+
+
+def _format_stacks(seconds):
+    """Every thread's Python stack, the main thread's first (the one a worker runs in), innermost frame first, in
+    faulthandler's layout (tools/zoo-table reads it)."""
+    import threading
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main, me = threading.main_thread().ident, threading.get_ident()
+    frames = sorted(((ident, frame) for ident, frame in sys._current_frames().items() if ident != me),
+                    key=lambda item: item[0] != main)
+    blocks = [f"Deadline ({seconds:.0f} s) passed: every thread's Python stack, most recent call first."]
+    for ident, frame in frames:
+        lines = [f"Thread 0x{ident:016x} ({names.get(ident, '?')}) (most recent call first):"]
+        stack = reversed(traceback.extract_stack(frame))
+        lines += [f'  File "{f.filename}", line {f.lineno} in {f.name}' for f in stack]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
 
 
 def stacks_at_deadline(seconds):
-    """Past `seconds`, write every thread's Python stack (faulthandler), and DEADLINE_GRACE_S later end the process
-    (SIGALRM, whose default action needs no Python code to run): a hang becomes a failure with every rank's stacks.
-    Under tests/gpu/dist.py they go to $DIST_RESULT_DIR/rank<RANK>.stacks, which the launcher returns per rank (on a
+    """Past `seconds`, write every thread's Python stack, and DEADLINE_GRACE_S later end the process (SIGALRM, whose
+    default action needs no Python code to run): a hang becomes a failure with every rank's stacks. Under
+    tests/gpu/dist.py they go to $DIST_RESULT_DIR/rank<RANK>.stacks, which the launcher returns per rank (on a
     shared stderr the ranks' dumps interleave and an output tail keeps the outermost frames of one); by hand, to
-    stderr."""
+    stderr.
+
+    A watchdog thread writes them from sys._current_frames(), under the GIL, the main thread's first. faulthandler,
+    which reads the other threads' frames while they run, crashed a rank in the middle of its dump (4xH100, zoo run
+    12: SIGSEGV while printing a thread that was reading os.environ), and printed the main thread last, so that a
+    dump cut to its first characters lost it; it is kept only for a process whose GIL the watchdog never gets."""
     import faulthandler
     import signal
+    import threading
+    global _deadline
     path = os.environ.get(RESULT_DIR_ENV)
     out = open(os.path.join(path, f"rank{os.environ.get('RANK', '0')}.stacks"), "w") if path else sys.stderr
-    faulthandler.dump_traceback_later(seconds, exit=False, file=out)
+
+    def dump():
+        out.write(_format_stacks(seconds))
+        out.flush()
+        faulthandler.cancel_dump_traceback_later()
+
+    _deadline = threading.Timer(seconds, dump)
+    _deadline.daemon = True
+    _deadline.name = "stacks-at-deadline"
+    _deadline.start()
+    faulthandler.dump_traceback_later(seconds + FAULTHANDLER_AFTER_S, exit=False, file=out)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(int(seconds + DEADLINE_GRACE_S + 1))
+
+
+def cancel_deadline():
+    """The worker finished: no stacks, and no SIGALRM during its teardown."""
+    import faulthandler
+    import signal
+    if _deadline is not None:
+        _deadline.cancel()
+    faulthandler.cancel_dump_traceback_later()
+    signal.alarm(0)
 
 
 class Report(dict):

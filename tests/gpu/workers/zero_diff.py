@@ -10,7 +10,7 @@ gradient norm, the loss scale and the count of skipped steps; at the end, a sha2
 transformers' Trainer instead and record its logged losses, gradient norms and evaluation losses. A cell that raises
 records its exception instead and the next cell runs.
 
-A faulthandler deadline prints every thread's stack and exits, so a hung collective fails the run instead of holding
+A deadline prints every thread's stack and exits, so a hung collective fails the run instead of holding
 it. --perturb NAME raises the learning rate of cell NAME by 2**-10 of itself (about 0.1 %): the control that shows
 the comparison sees a difference as small as that.
 
@@ -18,7 +18,6 @@ the comparison sees a difference as small as that.
 """
 
 import argparse
-import faulthandler
 import hashlib
 import math
 import os
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # zoo_models
-from founding_common import run_worker, stacks_at_deadline  # noqa: E402
+from founding_common import run_worker, stacks_at_deadline, cancel_deadline  # noqa: E402
 import zero_diff_cells  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, SEQ, MICRO_BATCH = 64, 32, 3, 8, 2
@@ -241,7 +240,7 @@ def main(report):
             rec = {"error": f"{type(exc).__name__}: {exc}"[:400], "traceback": traceback.format_exc()[-3000:]}
         report["cells"][name] = rec
         report.write()
-    faulthandler.cancel_dump_traceback_later()
+    cancel_deadline()
 
 
 if __name__ == "__main__":

@@ -29,12 +29,11 @@ allocated memory before each optimizer step; the global gradient norm of each st
 parameters left gathered after each step; seconds per phase.
 The report holds one record per stage under "cells" (several stages: eager references, which compile nothing, run
 in one process to save its start-up). The rank writes its JSON report to $DIST_RESULT_DIR/rank<RANK>.json after
-every phase, so a cell that dies leaves its progress. A faulthandler deadline prints every thread's stack and exits
+every phase, so a cell that dies leaves its progress. A deadline prints every thread's stack and exits
 if the cell hangs.
 """
 
 import argparse
-import faulthandler
 import gc
 import os
 import sys
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
 
@@ -328,7 +327,7 @@ def main(report):
     counters.capture_recompile_reasons(reasons)
     for stage in stages:
         run_cell(args, stage, device, report, counters, reasons)
-    faulthandler.cancel_dump_traceback_later()
+    cancel_deadline()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ of the engine's forward.
 """
 
 import argparse
-import faulthandler
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device, stacks_at_deadline  # noqa: E402
+from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
 from zoo_cell import Counters  # noqa: E402
 import zoo_models  # noqa: E402
 
@@ -115,7 +114,7 @@ def main(report):
         rec["phases"] = phases.snapshot()
     rec["reached"] = "done"
     report.write()
-    faulthandler.cancel_dump_traceback_later()
+    cancel_deadline()
 
 
 if __name__ == "__main__":
