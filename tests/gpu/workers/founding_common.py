@@ -104,13 +104,11 @@ def stacks_at_deadline(seconds):
 
 
 def cancel_deadline():
-    """The worker finished: no stacks, and no SIGALRM during its teardown."""
+    """The worker's work is done: no stacks. Its SIGALRM stays, so that a teardown that hangs still ends."""
     import faulthandler
-    import signal
     if _deadline is not None:
         _deadline.cancel()
     faulthandler.cancel_dump_traceback_later()
-    signal.alarm(0)
 
 
 class Report(dict):
