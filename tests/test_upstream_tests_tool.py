@@ -753,3 +753,34 @@ def test_an_incomplete_shard_resumes_with_only_its_node_ids_without_a_result():
     assert 3 not in ledger.pending(led, "gpu-zero", "fork")
     assert ledger.selection(led, "gpu-zero", "upstream", 3) == ["unit/c.py::t1"]  # 0.19.8 on what the fork failed
     assert "resumed 1x" in ledger.status(led)
+
+
+def test_two_runs_of_the_same_node_ids_are_merged_not_counted_twice():
+    """4xH100, session 21: gpu-zero's 47 shards left ran in two commands from the same ledger, the second before
+    the first's summaries were recorded. Each node id counts once: a run's result where only it has one, the worse
+    where both do; the other run's verdict is named."""
+    led = _ledger()
+    cut = "no result: the wall-clock limit killed the run"
+    first = _shard_summary(led, "fork", 3, {"unit/c.py::t1": ("passed", "passed", ""),
+                                            "unit/c.py::t2": ("failed", "failed", cut)})
+    second = _shard_summary(led, "fork", 3, {"unit/c.py::t1": ("failed", "failed", "E: flaky"),
+                                             "unit/c.py::t2": ("passed", "passed", "")})
+    second["info"]["deepspeed"], second["host"], second["seconds"] = "0.19.8+fork.9", "4x NVIDIA H100 80GB HBM3", 40
+    assert ledger.record(led, [("first", first), ("second", second)]) == [("gpu-zero", "fork", 3, "failed")]
+    r = led["matrices"]["gpu-zero"]["results"]["fork"]["3"]
+    assert (r["passed"], r["failed"], r["state"], r["runs"]) == (1, 1, "failed", 2)
+    assert r["failures"] == [["unit/c.py::t1", "failed", "E: flaky (another run: passed)"]]
+    assert (r["seconds"], r["deepspeed"]) == (151, "0.19.8+fork.8, 0.19.8+fork.9")
+    assert r["host"] == "2x NVIDIA H100 80GB HBM3, 4x NVIDIA H100 80GB HBM3"
+    assert "2 runs of the same node ids merged" in ledger.status(led)
+    assert ("`gpu-zero`, fork: 2 of 6 node ids have a result, incomplete shards included (1 passed, 0 failed as "
+            "listed, 1 failed unexpectedly, 0 passed but listed, 0 skipped); 4 have none.") in ledger.status(led)
+    # neither run has a result for a node id: it stays without one, and the shard incomplete
+    led = _ledger()
+    both_cut = [_shard_summary(led, "fork", 3, {"unit/c.py::t1": ("passed", "passed", ""),
+                                                "unit/c.py::t2": ("failed", "failed", cut)}) for _ in range(2)]
+    ledger.record(led, [("a", both_cut[0]), ("b", both_cut[1])])
+    r = led["matrices"]["gpu-zero"]["results"]["fork"]["3"]
+    assert (r["state"], r["passed"], r["failed"]) == ("incomplete", 1, 1)
+    assert "`gpu-zero`, fork: 1 of 6 node ids have a result" in ledger.status(led)
+    assert ledger.selection(led, "gpu-zero", "fork", 3) == ["unit/c.py::t2"]

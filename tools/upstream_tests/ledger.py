@@ -21,7 +21,8 @@ fork's next run of an incomplete shard takes only its node ids without a result,
 merged into it: counts summed, seconds added, the versions of both runs named), the
 verdict counts, host, date, seconds, deepspeed and torch versions, xdist workers, and `failures`: one
 [node id, verdict, message] per test that failed (listed or not) or passed unexpectedly; `together`: the shards
-run in one pass with it (--together), whose wall time `seconds` then is.
+run in one pass with it (--together), whose wall time `seconds` then is; `runs`: how many runs of the same node
+ids (a shard run again before the first run's summary came back) were merged into it, node id by node id.
 
 Upstream 0.19.8 runs only where the fork fails: its shard I is the fork's shard I narrowed to the node ids
 that failed there, and exists once the fork's shard I has a complete result with a failure.
@@ -239,7 +240,8 @@ def result_of(summary):
     return dict({"state": state}, **counts, host=summary.get("host", ""), date=summary.get("date", ""),
                 seconds=summary.get("seconds", 0), deepspeed=summary.get("info", {}).get("deepspeed", ""),
                 torch=summary.get("info", {}).get("torch", ""), workers=summary.get("workers", 0),
-                failures=failures, **({"together": summary["together"]} if summary.get("together") else {}))
+                failures=failures, **({"together": summary["together"]} if summary.get("together") else {}),
+                **({"runs": summary["runs"]} if summary.get("runs", 1) > 1 else {}))
 
 
 def check(ledger, summary, source="<summary>"):
@@ -273,9 +275,51 @@ def check(ledger, summary, source="<summary>"):
     return s["matrix"], s["target"], s["shard"]
 
 
+# A node id's result from several runs: any result before none, then the worst.
+_WORSE = ("passed", "skipped", "xfailed", "unexpected-pass", "failed")
+
+
+def _rank(row):
+    return (not row["message"].startswith(NO_RESULT), _WORSE.index(row["verdict"]) if row["verdict"] in _WORSE else 0)
+
+
+def merged(summaries):
+    """One summary of several runs of the same selection (a shard run again before the first run's summary was
+    recorded): each node id keeps the result of a run that has one, the worst where several do (naming the
+    other runs' verdicts); wall seconds are added, versions and hosts named."""
+    first, rows = summaries[0], {}
+    for summary in summaries:
+        for row in summary["tests"]:
+            rows.setdefault(row["nodeid"], []).append(row)
+    tests = []
+    for nid in sorted(rows):
+        runs = rows[nid]
+        best = max(runs, key=_rank)
+        others = sorted({r["verdict"] for r in runs if r is not best and not r["message"].startswith(NO_RESULT)})
+        if others and others != [best["verdict"]]:
+            best = dict(best, message=f"{best['message']} (another run: {', '.join(others)})".lstrip())
+        tests.append(best)
+    info = dict(first.get("info", {}), deepspeed=", ".join(dict.fromkeys(
+        s.get("info", {}).get("deepspeed", "") for s in summaries)))
+    together = sorted({k for s in summaries for k in s.get("together", [])})
+    return dict(first, tests=tests, info=info, seconds=sum(s.get("seconds", 0) for s in summaries),
+                host=", ".join(dict.fromkeys(s.get("host", "") for s in summaries)),
+                date=max(s.get("date", "") for s in summaries),
+                stale=sorted({x for s in summaries for x in s.get("stale", [])}),
+                unplanned=sorted({x for s in summaries for x in s.get("unplanned", [])}),
+                runs=len(summaries), **({"together": together} if together else {}))
+
+
 def record(ledger, summaries):
-    """Fold shard summaries [(source, summary)] into the ledger, all or none. -> [(matrix, target, shard, what)]"""
-    checked = [(check(ledger, summary, source), summary) for source, summary in summaries]
+    """Fold shard summaries [(source, summary)] into the ledger, all or none. -> [(matrix, target, shard, what)]
+
+    Summaries of one shard that ran the same node ids (checked against the ledger as it is before any is folded)
+    are merged by node id first: folded one after another, the second would count again what the first recorded.
+    """
+    groups = {}
+    for source, summary in summaries:
+        groups.setdefault(check(ledger, summary, source), []).append(summary)
+    checked = [(key, runs[0] if len(runs) == 1 else merged(runs)) for key, runs in groups.items()]
     done = []
     for (matrix, target, k), summary in checked:
         m = ledger["matrices"][matrix]
@@ -328,6 +372,7 @@ def status(ledger):
                        f"{sum(r['state'] == 'incomplete' for r in rs.values())} | {wanted - len(rs)} | "
                        f"{total['passed']} | {total['xfailed']} | {total['failed']} | {total['unexpected-pass']} | "
                        f"{total['skipped']} | {failing} |")
+    out += [""] + [node_counts(ledger, name) for name in sorted(ledger["matrices"])]
     out += ["", "| matrix | shard | node ids | fork | upstream |", "| --- | --- | --- | --- | --- |"]
     for name, m in sorted(ledger["matrices"].items()):
         for k, ids in enumerate(m["shards"], 1):
@@ -341,13 +386,29 @@ def status(ledger):
                                  f"{r['deepspeed']}, {r['workers']} workers"
                                  + (f" (one run of shards {', '.join(map(str, r['together']))})"
                                     if r.get("together") else "")
-                                 + (f", resumed {r['resumed']}x (seconds summed)" if r.get("resumed") else ""))
+                                 + (f", resumed {r['resumed']}x (seconds summed)" if r.get("resumed") else "")
+                                 + (f", {r['runs']} runs of the same node ids merged" if r.get("runs") else ""))
                 elif target == "fork" or selection(ledger, name, target, k):
                     cells.append("not run")
                 else:
                     cells.append("not needed" if fork_done else "after the fork")
             out.append(f"| `{name}` | {k}/{len(m['shards'])} | {len(ids)} | {cells[0]} | {cells[1]} |")
     return "\n".join(out)
+
+
+def node_counts(ledger, matrix):
+    """One line: the fork's node ids of the matrix with a result, incomplete shards included, and their verdicts."""
+    m = matrix_of(ledger, matrix)
+    total = sum(len(s) for s in m["shards"])
+    got = dict.fromkeys(COUNTS, 0)
+    for r in m["results"].get("fork", {}).values():
+        cut = [f for f in r["failures"] if f[2].startswith(NO_RESULT)]
+        for c in COUNTS:
+            got[c] += r[c] - sum(f[1] == c for f in cut)
+    n = sum(got.values())
+    return (f"`{matrix}`, fork: {n} of {total} node ids have a result, incomplete shards included ({got['passed']} "
+            f"passed, {got['xfailed']} failed as listed, {got['failed']} failed unexpectedly, "
+            f"{got['unexpected-pass']} passed but listed, {got['skipped']} skipped); {total - n} have none.")
 
 
 def today():
