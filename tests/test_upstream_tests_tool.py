@@ -302,7 +302,7 @@ def test_the_repositorys_expected_failures_file():
     """Parses; uses only the documented tags; a fork-only entry names the patch of patches/series behind it."""
     entries = report.load(os.path.join(REPO, "tests", "upstream", "expected-failures.txt"))
     assert entries
-    assert set().union(*(e.tags for e in entries)) <= {"fork", "upstream", "edaa722", "offline"}
+    assert set().union(*(e.tags for e in entries)) <= {"fork", "upstream", "edaa722", "offline", "gpu-forked"}
     with open(os.path.join(REPO, "patches", "series")) as f:
         patches = [line.strip().removesuffix(".patch") for line in f if line.strip() and not line.startswith("#")]
     for e in entries:
