@@ -56,6 +56,14 @@ def test_two_ranks_run_every_cell_on_both_and_zero2_with_its_reduction_options(t
     assert all(zoo._job(c, str(tmp_path)).nprocs == 2 for c in cells)
 
 
+def test_a_resume_gets_its_own_deadline(two_ranks, tmp_path, monkeypatch):
+    monkeypatch.setattr(zoo, "CELL_DEADLINE_S", 420.0)
+    monkeypatch.setattr(zoo, "RESUME_DEADLINE_S", 150.0)
+    cell, resume = (zoo._job((kind, "mixtral", 3, "deepcompile"), str(tmp_path)) for kind in ("cell", "resume"))
+    assert resume.args[resume.args.index("--deadline") + 1] == "150.0" and resume.timeout == 210.0
+    assert cell.args[cell.args.index("--deadline") + 1] == "420.0" and cell.timeout == 480.0
+
+
 def _result(*reached):
     reports = {r: {"cells": {"2+oc": {"reached": x, "losses": [1.0]}}, "error": None} for r, x in enumerate(reached)}
     return DistResult(returncode=0, timed_out=False, duration_s=1.0, output="", results=reports)

@@ -23,7 +23,8 @@ ZOO_RANKS=2 (or 4) runs every cell on that many GPUs, one process a rank (the su
 zoo-<version>-ranks2.json): each rank gets micro-batches of its own lengths and padding in the same step, the checks
 apply to every rank, and the Llama row adds ZeRO-2 with overlap_comm and contiguous_gradients on and off (stages
 2+oc, 2-cg, 2+oc-cg). At any world size the global gradient norm of every step must agree across eager ZeRO-1/2/3 and
-DeepCompile, and every rank's cell has a deadline past which it prints its Python stacks and fails.
+DeepCompile, and every rank's cell has a deadline past which it prints its Python stacks and fails
+(ZOO_CELL_DEADLINE_S; ZOO_RESUME_DEADLINE_S for the resumes, the same by default).
 """
 
 import importlib.util
@@ -52,6 +53,9 @@ Z2_VARIANTS, Z2_VARIANT_MODEL = (("2+oc", "2-cg", "2+oc-cg") if RANKS > 1 else (
 TRAINER_STAGES = (1, 3)
 PARALLEL = int(os.environ.get("ZOO_PARALLEL", "14"))  # ZOO_MODELS=a,b runs only those rows
 CELL_DEADLINE_S = float(os.environ.get("ZOO_CELL_DEADLINE_S", "360"))
+# A resume starts when its cell ends, late in a run: a deadline of its own lets a stuck one dump its stacks before the
+# suite's timeout (zoo run 13: three resumes still running at the timeout, no stacks).
+RESUME_DEADLINE_S = float(os.environ.get("ZOO_RESUME_DEADLINE_S", str(CELL_DEADLINE_S)))
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).
 MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
@@ -104,13 +108,14 @@ def _resumed(key):
 def _job(key, tmp):
     kind, model, stage, mode = key[:4]
     ckpt = os.path.join(tmp, f"{model}-z{stage}-{mode}")
-    args = ["--stage", stage, "--mode", mode, "--deadline", CELL_DEADLINE_S]
+    deadline = RESUME_DEADLINE_S if kind == "resume" else CELL_DEADLINE_S
+    args = ["--stage", stage, "--mode", mode, "--deadline", deadline]
     if kind == "trainer":
-        return DistJob(TRAINER, args + ["--out", ckpt], nprocs=RANKS, timeout=CELL_DEADLINE_S + 60, env=ENV)
+        return DistJob(TRAINER, args + ["--out", ckpt], nprocs=RANKS, timeout=deadline + 60, env=ENV)
     args += ["--model", model, "--ckpt", ckpt]
     if kind == "resume":
         args += ["--phase", "resume"]
-    return DistJob(CELL, args, nprocs=RANKS, timeout=CELL_DEADLINE_S + 60, env=ENV)
+    return DistJob(CELL, args, nprocs=RANKS, timeout=deadline + 60, env=ENV)
 
 
 def _run_all(cells, tmp, on_result):
