@@ -49,6 +49,29 @@ def test_phase_accounting_counts_each_compile_phase_once_per_outermost_call():
     assert snap["seconds"]["dynamo compile"] >= snap["seconds"]["backend (call_user_compiler)"] > 0
 
 
+def test_inductor_graphs_counts_the_graphs_lowered_since_the_last_look(tmp_path):
+    """Also when AOT autograd's cache already holds the graphs (a second run of the same code): a hit there skips
+    Inductor, and would have counted nothing."""
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, sys.argv[1])
+        import compile_phases
+        lowered = compile_phases.InductorGraphs()
+        f = torch.compile(lambda x: (x * 2).sin(), dynamic=False)
+        counts = []
+        for shape in [(3, ), (3, ), (5, 2)]:      # a compile, the cached graph, a new shape's compile
+            f(torch.ones(shape))
+            counts.append(lowered.since_last())
+        print(counts)
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    for run in ("cold caches", "warm caches"):
+        out = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "tests", "gpu", "workers")],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.strip().splitlines()[-1] == "[1, 0, 1]", run
+
+
 def _run(stage, site, mode, train_s, phases=None):
     return {"stage": stage, "site": site, "mode": mode, "train_s": train_s, "phases": phases,
             "versions": {"deepspeed_version": f"v-{site}"}}

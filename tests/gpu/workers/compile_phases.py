@@ -77,3 +77,21 @@ def install(entry_points=ENTRY_POINTS):
             continue
         setattr(owner, attr, phases._wrap(name, original))
     return phases
+
+
+class InductorGraphs:
+    """How many graphs Inductor lowered since the previous `since_last()`. A graph Inductor's FX graph cache holds
+    counts too; AOT autograd's cache would skip Inductor altogether on a hit (a graph another process compiled the
+    same way), so it is turned off for this process."""
+
+    def __init__(self):
+        import torch._functorch.config
+
+        torch._functorch.config.enable_autograd_cache = False
+        self.phases = install({"inductor": ENTRY_POINTS["Inductor (_compile_fx_inner)"]})
+        self._counted = 0
+
+    def since_last(self):
+        now = self.phases.calls.get("inductor", 0)
+        new, self._counted = now - self._counted, now
+        return new

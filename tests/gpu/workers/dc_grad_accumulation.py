@@ -85,9 +85,8 @@ def main(report):
     rec = report["run"] = dict(stage=args.stage, mode=args.mode, variant=args.variant, losses=[], lengths=[],
                                grad_norms=[], deepcompile_active=bool(engine.is_deepcompile_active()),
                                inductor_graphs_by_step=[])
-    # Graphs handed to Inductor (a compile from its cache counts too), summed per optimizer step.
-    phases = compile_phases.install({"inductor": compile_phases.ENTRY_POINTS["Inductor (_compile_fx_inner)"]})
-    lowered_before = 0
+    # Graphs handed to Inductor, summed per optimizer step.
+    lowered = compile_phases.InductorGraphs()
     for i in range(steps * grad_acc):
         batch = make_batch(i, length_of(i))
         loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
@@ -99,9 +98,7 @@ def main(report):
         if boundary:
             norm = engine.get_global_grad_norm()
             rec["grad_norms"].append(None if norm is None else float(norm))
-            lowered = phases.calls.get("inductor", 0)
-            rec["inductor_graphs_by_step"].append(lowered - lowered_before)
-            lowered_before = lowered
+            rec["inductor_graphs_by_step"].append(lowered.since_last())
         report.write()
     cancel_deadline()
     engine.destroy()

@@ -85,8 +85,7 @@ def main(report):
     rec = report["run"] = dict(model=args.model, run=args.run, losses=[], grad_norms=[], inductor_graphs_by_step=[],
                                deepcompile_active=bool(engine.is_deepcompile_active()),
                                budget_gb=os.environ.get("DS_DC_OFFLOAD_OPT_BUDGET_GB"))
-    phases = compile_phases.install({"inductor": compile_phases.ENTRY_POINTS["Inductor (_compile_fx_inner)"]})
-    lowered_before = 0
+    lowered = compile_phases.InductorGraphs()
     for batch in batches(args.model, device):
         out = engine(**batch)
         loss = out if torch.is_tensor(out) else out.loss
@@ -95,9 +94,7 @@ def main(report):
         rec["losses"].append(loss.float().item())
         norm = engine.get_global_grad_norm()
         rec["grad_norms"].append(None if norm is None else float(norm))
-        lowered = phases.calls.get("inductor", 0)
-        rec["inductor_graphs_by_step"].append(lowered - lowered_before)
-        lowered_before = lowered
+        rec["inductor_graphs_by_step"].append(lowered.since_last())
         report.write()
     rec["offload_ops"] = dict(offload_adam_states.get_offload_op_stats())
     report.write()
