@@ -17,24 +17,16 @@ set -u
 wall=${1:?usage: OUT=DIR both-matrices.sh WALL_SECONDS [TEXT...]}
 shift
 END=$(( $(date +%s) + wall ))
-LEDGER=tests/upstream/ledger.json UT_CARRY=${UT_CARRY:-.upstream-tests/gpu-carry}
+LEDGER=tests/upstream/ledger.json
+# shellcheck source=tools/upstream_tests/gpu-common.sh
+. "$(dirname "$0")/gpu-common.sh"
 X=$OUT/x
 mkdir -p "$X/s"
 targets=fork
 [ $# -gt 0 ] && targets="fork up"
-# installs and op builds only: a budget too small to start a run
-UT_CARRY=$UT_CARRY OUT=$X bash tools/upstream_tests/offline-gpu.sh "$targets" @1 --matrix gpu-compile 2>&1 | grep -v "not run"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TORCHINDUCTOR_COMPILE_THREADS=1
-ut() {  # TARGET ARGS...: tools/upstream-tests on the target offline-gpu.sh installed
-  local t=$1 arch
-  shift
-  arch=$(env | grep '^TORCH_CUDA_ARCH_LIST=')
-  [ "$t" = up ] && arch=TORCH_CUDA_ARCH_LIST=9.0  # 0.19.8 cannot JIT-build for 9.0a
-  # shellcheck disable=SC2086  # arch is one NAME=VALUE word or none
-  env $arch PYTHONPATH=/tmp/ut-deps TORCH_EXTENSIONS_DIR="/tmp/ut-ext-$t" TORCHINDUCTOR_CACHE_DIR="/tmp/ut-inductor-$t" \
-    python3 tools/upstream-tests "$UT_CARRY/tests" --deepspeed-path "/tmp/ut-$t" --condition offline \
-    --condition edaa722 --condition gpu-forked --wall-timeout $(( END - $(date +%s) )) "$@"
+OUT=$X bash "$(dirname "$0")/offline-gpu.sh" "$targets" 0  # installs and op builds only
+ut() {  # TARGET ARGS...: gpu-common.sh's tool with the GPU matrices' conditions, until END
+  tool "$1" --condition offline --condition edaa722 --condition gpu-forked --wall-timeout $(( END - $(date +%s) )) "${@:2}"
 }
 echo "[$(date +%T)] ops built, $(( END - $(date +%s) )) s left"
 ut fork --matrix gpu-zero --ledger $LEDGER --next 999 --together --workers "${ZW:-16}" --out /tmp/ut-out/zero \

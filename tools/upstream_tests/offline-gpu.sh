@@ -8,7 +8,8 @@
 # at once, before any test runs), then runs `tools/upstream-tests UT_TESTS TOOL_ARGS --deepspeed-path ...
 # --wall-timeout WALL_SECONDS --out UT_OUTDIR/TARGET --summary-dir $OUT` and prints its summary. Exit status:
 # the worst of the runs. WALL_SECONDS written @S is a budget for the whole script: each run's wall-clock limit
-# is then S less the seconds spent so far (installs, op builds, earlier targets), so it ends within S.
+# is then S less the seconds spent so far (installs, op builds, earlier targets), so it ends within S; 0 installs
+# and builds only. gpu-common.sh holds the environment and the `tool` function the runs share.
 # UT_OUTDIR (default $OUT): where each run's full output directory goes; a GPU loan returns at most 8 files of
 # $OUT, so ledger runs (--ledger) put it elsewhere and keep in $OUT only the logs and one summary per shard.
 # What it uses, by default from one directory UT_CARRY (.upstream-tests/gpu-carry, git-ignored):
@@ -25,16 +26,11 @@ targets=$1 wall=$2
 shift 2
 OUT=${OUT:-/tmp/upstream-tests-out}
 UT_OUTDIR=${UT_OUTDIR:-$OUT}
-UT_CARRY=${UT_CARRY:-.upstream-tests/gpu-carry}
-UT_TESTS=${UT_TESTS:-$UT_CARRY/tests}
+# shellcheck source=tools/upstream_tests/gpu-common.sh
+. "$(dirname "$0")/gpu-common.sh"
 UT_FORK=${UT_FORK:-$(echo "$UT_CARRY"/wheels/fork/deepspeed-*.whl)}
 UT_UP=${UT_UP:-$(echo "$UT_CARRY"/wheels/upstream/deepspeed-*.whl)}
-UT_UP_ARCH=${UT_UP_ARCH:-9.0}
 UT_OPS=${UT_OPS-DeepCompileBuilder FusedAdamBuilder CPUAdamBuilder}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# no internet: a test that downloads from huggingface.co fails at once instead of retrying until its run is cut
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-export TORCHINDUCTOR_COMPILE_THREADS=1
 T0=$(date +%s)
 stamp() { echo "[$(($(date +%s) - T0)) s] $*"; }
 pipt() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$@"; }
@@ -50,15 +46,6 @@ for t in $targets; do
 done
 stamp installed
 
-# the image's own TORCH_CUDA_ARCH_LIST for the fork; UT_UP_ARCH for upstream
-arch() { if [ "$1" = up ]; then echo "TORCH_CUDA_ARCH_LIST=$UT_UP_ARCH"; else env | grep '^TORCH_CUDA_ARCH_LIST='; fi; }
-tool() {  # target args...: tools/upstream-tests on the target's package
-  local t=$1
-  shift
-  # shellcheck disable=SC2046  # arch prints one NAME=VALUE word or none
-  env $(arch "$t") PYTHONPATH=/tmp/ut-deps TORCH_EXTENSIONS_DIR="/tmp/ut-ext-$t" \
-    TORCHINDUCTOR_CACHE_DIR="/tmp/ut-inductor-$t" python3 tools/upstream-tests "$UT_TESTS" --deepspeed-path "/tmp/ut-$t" "$@"
-}
 # the ops of every target at once, each in the tree its tests will use (the tool's --prebuild)
 if [ -n "$UT_OPS" ]; then
   for t in $targets; do
@@ -71,6 +58,7 @@ if [ -n "$UT_OPS" ]; then
   find /tmp/ut-ext-* -maxdepth 2 -name lock -print -delete
 fi
 stamp "ops built"
+[ "$wall" = 0 ] && exit 0  # installs and op builds only (both-matrices.sh runs the tests)
 
 worst=0
 for t in $targets; do
