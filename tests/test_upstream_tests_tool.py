@@ -784,3 +784,86 @@ def test_two_runs_of_the_same_node_ids_are_merged_not_counted_twice():
     assert (r["state"], r["passed"], r["failed"]) == ("incomplete", 1, 1)
     assert "`gpu-zero`, fork: 1 of 6 node ids have a result" in ledger.status(led)
     assert ledger.selection(led, "gpu-zero", "fork", 3) == ["unit/c.py::t2"]
+
+
+def test_a_test_the_limit_cut_off_while_it_ran_has_no_result(monkeypatch, tmp_path):
+    """4xH100, session 22: the limit killed gpu-zero's pass during an NVMe offload test, and the tool recorded the
+    test's setup without a call as a failure ("no call report") that no later run would take again."""
+    def pytest_run(cmd, cwd, env, log, deadline, killed):
+        with open(env["DS_UT_STATE"], "w") as f:
+            for nid, when in (("unit/a.py::t1", "setup"), ("unit/a.py::t1", "call"), ("unit/a.py::t2", "setup")):
+                f.write(json.dumps({"nodeid": nid, "when": when, "outcome": "passed", "xfail": False,
+                                    "message": "", "seconds": 2.0}) + "\n")
+        return (-9 if killed else 1), killed
+    ids = ["unit/a.py::t1", "unit/a.py::t2", "unit/a.py::t3"]
+    for killed, t2 in ((True, "no result: the wall-clock limit killed the run during the test"),
+                       (False, "no call report")):  # pytest died in t2 by itself: t2 is to blame
+        monkeypatch.setattr(cli, "run_logged", lambda *a, k=killed: pytest_run(*a, killed=k))
+        out = tmp_path / str(killed)
+        out.mkdir()
+        got = cli.run_pass("parallel", ids, [], str(tmp_path), {}, str(out), None)
+        assert got["unit/a.py::t1"] == ("passed", "", 4.0)
+        assert got["unit/a.py::t2"][:2] == ("failed", t2)
+        assert got["unit/a.py::t3"][1].startswith("no result")
+
+
+def test_voided_failures_are_run_again_and_their_new_results_complete_the_shard(tmp_path):
+    """The ledger held three such "no call report" failures from before the fix; --void turns them into no result
+    (all or none), so that the fork's next run of their shards takes exactly them."""
+    led = _ledger()
+    ledger.record(led, [("s", _shard_summary(led, "fork", 3, {
+        "unit/c.py::t1": ("failed", "failed", "no call report"), "unit/c.py::t2": ("failed", "xfailed", "E: listed")}))])
+    before = json.dumps(led)
+    with pytest.raises(ledger.LedgerError, match="shard 1 has no fork result"):
+        ledger.void(led, "fork", ["unit/c.py::t1", "unit/a.py::t1"], "cut off")
+    ledger.record(led, [("s1", _shard_summary(led, "fork", 1, {"unit/a.py::t1": ("passed", "passed", ""),
+                                                             "unit/a.py::t2": ("passed", "passed", "")}))])
+    before = json.dumps(led)
+    with pytest.raises(ledger.LedgerError, match="did not fail"):
+        ledger.void(led, "fork", ["unit/c.py::t1", "unit/a.py::t1"], "cut off")
+    with pytest.raises(ledger.LedgerError, match="needs the reason"):
+        ledger.void(led, "fork", ["unit/c.py::t1"], " ")
+    with pytest.raises(ledger.LedgerError, match="no shard"):
+        ledger.void(led, "fork", ["unit/z.py::t"], "cut off")
+    assert json.dumps(led) == before  # refused: nothing changed
+    assert ledger.void(led, "fork", ["unit/c.py::t1"], "cut off during the test") == [
+        ("gpu-zero", 3, "unit/c.py::t1", "failed")]
+    r = led["matrices"]["gpu-zero"]["results"]["fork"]["3"]
+    assert (r["state"], r["failed"], r["xfailed"]) == ("incomplete", 1, 1)
+    assert ledger.selection(led, "gpu-zero", "fork", 3) == ["unit/c.py::t1"]
+    with pytest.raises(ledger.LedgerError, match="already"):
+        ledger.void(led, "fork", ["unit/c.py::t1"], "again")
+    rest = _shard_summary(led, "fork", 3, {"unit/c.py::t1": ("passed", "passed", "")})
+    assert ledger.record(led, [("rest", rest)]) == [("gpu-zero", "fork", 3, "passed (replaces an earlier result)")]
+    r = led["matrices"]["gpu-zero"]["results"]["fork"]["3"]
+    assert (r["state"], r["passed"], r["failed"], r["xfailed"]) == ("passed", 1, 0, 1)
+    assert ledger.selection(led, "gpu-zero", "upstream", 3) == ["unit/c.py::t2"]
+    # the command line: --void without --why is refused, and leaves the file alone
+    path = tmp_path / "ledger.json"
+    ledger.save(str(path), _ledger())
+    before = path.read_text()
+    assert cli.main(["--ledger", str(path), "--void", "unit/c.py::t1"]) == 2
+    assert path.read_text() == before
+
+
+def test_failures_recorded_before_their_entry_was_written_are_judged_again(tmp_path):
+    """Session 21 listed TestAutoSPCompile ([offline]) and four [gpu-forked] tests after their failures were recorded:
+    the ledger went on counting them as unexpected. --rejudge applies the expected-failures file as it is now."""
+    led = _ledger()
+    ledger.record(led, [("s", _shard_summary(led, "fork", 3, {
+        "unit/c.py::t1": ("failed", "failed", "E: offline"), "unit/c.py::t2": ("failed", "xfailed", "E: was listed")})),
+        ("s4", _shard_summary(led, "fork", 4, {"unit/d.py::t": ("passed", "unexpected-pass", "")}))])
+    path, expected = tmp_path / "ledger.json", tmp_path / "expected.txt"
+    ledger.save(str(path), led)
+    expected.write_text("[offline] unit/c.py::t1 | downloads a model\n[fork] unit/d.py::t | reads what a patch replaced\n")
+    assert cli.main(["--ledger", str(path), "--rejudge", "--expected", str(expected), "--condition", "offline"]) == 0
+    r3, r4 = (ledger.load(str(path))["matrices"]["gpu-zero"]["results"]["fork"][k] for k in "34")
+    assert (r3["state"], r3["failed"], r3["xfailed"]) == ("failed", 1, 1)  # t1 listed now, t2 no longer
+    assert r3["failures"] == [["unit/c.py::t1", "xfailed", "E: offline"], ["unit/c.py::t2", "failed", "E: was listed"]]
+    assert (r4["state"], r4["unexpected-pass"]) == ("failed", 1)  # [fork] applies to the fork: still listed
+    # without the condition, the [offline] entry is not active: t1 is unexpected again; upstream's results alone
+    assert cli.main(["--ledger", str(path), "--rejudge", "--expected", str(expected)]) == 0
+    r3 = ledger.load(str(path))["matrices"]["gpu-zero"]["results"]["fork"]["3"]
+    assert (r3["state"], r3["failed"], r3["xfailed"]) == ("failed", 2, 0)
+    assert cli.main(["--ledger", str(path), "--rejudge", "--expected", str(expected), "--target", "upstream"]) == 0
+    assert ledger.load(str(path))["matrices"]["gpu-zero"]["results"]["fork"]["4"]["unexpected-pass"] == 1

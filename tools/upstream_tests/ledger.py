@@ -351,6 +351,66 @@ def resumed(old, new):
                 deepspeed=versions, resumed=old.get("resumed", 0) + 1)
 
 
+def rejudge(ledger, target, listed):
+    """Judge the target's recorded results again by listed(node id), whether the expected-failures file lists the
+    node id now: a failure recorded before its entry was written becomes a listed one, a listed failure or an
+    unexpected pass whose entry is gone becomes unexpected or a pass. -> [(matrix, shard, node id, old, new)]"""
+    changed = []
+    for name, m in sorted(ledger["matrices"].items()):
+        for k, r in sorted(m["results"].get(target, {}).items(), key=lambda kv: int(kv[0])):
+            rows = []
+            for nid, verdict, message in r["failures"]:
+                new = verdict
+                if verdict in ("failed", "xfailed") and not message.startswith(NO_RESULT):
+                    new = "xfailed" if listed(nid) else "failed"
+                elif verdict == "unexpected-pass" and not listed(nid):
+                    new = "passed"
+                if new != verdict:
+                    r[verdict] -= 1
+                    r[new] += 1
+                    changed.append((name, int(k), nid, verdict, new))
+                if new != "passed":
+                    rows.append([nid, new, message])
+            r["failures"] = rows
+            if r["state"] != "incomplete":
+                r["state"] = "failed" if r["failed"] or r["unexpected-pass"] else "passed"
+    return changed
+
+
+def void(ledger, target, nodeids, why):
+    """Turn recorded failures of these node ids into no result (`no result: WHY`), all or none, so that the
+    target's next run of their shards takes them again: for a failure that was no verdict on the test, such as a
+    run cut off while the test ran (which the tool once recorded as `no call report`), or that an older fork
+    version gave and a later patch addressed.
+    -> [(matrix, shard, node id, the verdict voided)]"""
+    if not why.strip():
+        raise LedgerError("voiding a recorded result needs the reason why it is void")
+    found = []
+    for nid in nodeids:
+        where = [(name, k) for name, m in sorted(ledger["matrices"].items())
+                 for k, ids in enumerate(m["shards"], 1) if nid in ids]
+        if not where:
+            raise LedgerError(f"no shard of the ledger holds {nid}")
+        name, k = where[0]
+        r = ledger["matrices"][name]["results"].get(target, {}).get(str(k))
+        if not r:
+            raise LedgerError(f"{name} shard {k} has no {target} result: nothing to void for {nid}")
+        rows = {f[0]: f for f in r["failures"]}
+        if nid not in rows:  # a pass or a skip is not kept by node id: only a recorded failure can be voided
+            raise LedgerError(f"{nid} did not fail in {name} shard {k}'s {target} result: nothing to void")
+        verdict = rows[nid][1]
+        if rows[nid][2].startswith(NO_RESULT):
+            raise LedgerError(f"{nid} has no result in {name} shard {k} already")
+        found.append((name, k, nid, verdict))
+    for name, k, nid, verdict in found:  # all checked: nothing changes unless every node id can be voided
+        r = ledger["matrices"][name]["results"][target][str(k)]
+        r[verdict] -= 1
+        r["failed"] += 1
+        r["failures"] = sorted([f for f in r["failures"] if f[0] != nid] + [[nid, "failed", f"no result: {why}"]])
+        r["state"] = "incomplete"
+    return found
+
+
 def status(ledger):
     """Markdown: per matrix and target, shards done and the verdict counts over them; then every shard."""
     out = [f"Shards of upstream's tests at `{ledger['checkout'][:7]}` "
