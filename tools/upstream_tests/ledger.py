@@ -351,9 +351,9 @@ def resumed(old, new):
                 deepspeed=versions, resumed=old.get("resumed", 0) + 1)
 
 
-def rejudge(ledger, target, listed):
-    """Judge the target's recorded results again by listed(node id), whether the expected-failures file lists the
-    node id now: a failure recorded before its entry was written becomes a listed one, a listed failure or an
+def rejudge(ledger, target, judge):
+    """Judge the target's recorded results again by judge(node id, outcome) -> verdict, the expected-failures file
+    as it is now: a failure recorded before its entry was written becomes a listed one, a listed failure or an
     unexpected pass whose entry is gone becomes unexpected or a pass. -> [(matrix, shard, node id, old, new)]"""
     changed = []
     for name, m in sorted(ledger["matrices"].items()):
@@ -362,9 +362,9 @@ def rejudge(ledger, target, listed):
             for nid, verdict, message in r["failures"]:
                 new = verdict
                 if verdict in ("failed", "xfailed") and not message.startswith(NO_RESULT):
-                    new = "xfailed" if listed(nid) else "failed"
-                elif verdict == "unexpected-pass" and not listed(nid):
-                    new = "passed"
+                    new = judge(nid, "failed")
+                elif verdict == "unexpected-pass":
+                    new = judge(nid, "passed")
                 if new != verdict:
                     r[verdict] -= 1
                     r[new] += 1
