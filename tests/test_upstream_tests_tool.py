@@ -408,9 +408,9 @@ def test_verdicts(outcome, listed, expected):
     assert report.verdict(outcome, entry) == expected
 
 
-def test_a_failure_that_depends_on_the_tests_before_it_may_pass():
+def test_a_failure_that_depends_on_the_workers_state_may_pass():
     """4xH100, session 22: 0.19.8 passed test_to_leaves_pinned_host_tensors_alone, which it had failed in session 21
-    ([gpu-forked]: CUDA initialized in the xdist worker by an earlier test); such an entry takes a pass as a pass,
+    ([gpu-forked]: CUDA initialized in the xdist worker before the fork); such an entry takes a pass as a pass,
     and still a failure as listed."""
     forked = report.Entry("x", "reason", frozenset(["gpu-forked"]), 1)
     assert report.verdict("passed", forked) == "passed"

@@ -12,8 +12,8 @@ deepspeed is under test), and the names passed with --condition: e.g. `offline` 
 checkout the tests come from when they are not the pinned tag's. The longest applicable entry wins.
 
 Verdicts: a test with an applicable entry must fail (or error, or fail to collect); a pass is an
-unexpected pass. Without an entry a failure is unexpected. Skips are fine either way. A tag of ORDER_TAGS marks
-a failure that depends on what ran before the test in the same process (a pass under such an entry is a pass).
+unexpected pass. Without an entry a failure is unexpected. Skips are fine either way. A tag of STATE_TAGS marks
+a failure that depends on the state of the test's worker process (a pass under such an entry is a pass).
 """
 
 import json
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 VERDICTS = ("passed", "failed", "xfailed", "skipped", "unexpected-pass")
 BAD = ("failed", "unexpected-pass")
-# gpu-forked: the test fails only where an earlier test of its xdist worker initialized CUDA before pytest-forked
-# forked the test's process (4xH100: 0.19.8 failed one such test in one run and passed it in the next)
-ORDER_TAGS = frozenset(["gpu-forked"])
+# gpu-forked: the test fails only where its xdist worker had initialized CUDA (in what it collected or ran before)
+# when pytest-forked forked the test's process (4xH100: 0.19.8 failed one such test in one run, passed it in another)
+STATE_TAGS = frozenset(["gpu-forked"])
 _LINE = re.compile(r"^(?:\[([\w,-]+)\]\s+)?([^\s\[|]+(?:\[.*?\])?)\s+\|\s+(\S.*)$")
 
 
@@ -76,7 +76,7 @@ def verdict(outcome, entry):
     if outcome == "failed":
         return "xfailed" if entry else "failed"
     if outcome == "passed":
-        return "unexpected-pass" if entry and not entry.tags & ORDER_TAGS else "passed"
+        return "unexpected-pass" if entry and not entry.tags & STATE_TAGS else "passed"
     return outcome
 
 
