@@ -9,6 +9,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # no internet: a test that downloads from huggingface.co fails at once instead of retrying until its run is cut
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TORCHINDUCTOR_COMPILE_THREADS=1
+# The GPU image has no libaio, so the async_io op is "not compatible" and the NVMe offload tests skip; the carry
+# folder may bring one (UT_CARRY/libaio/{include,lib}: docs/upstream-tests.md, "The carry folder"), found by gcc
+# through CPATH and LIBRARY_PATH (the op's compatibility check and build) and by the loader through LD_LIBRARY_PATH.
+if [ -f "$UT_CARRY/libaio/include/libaio.h" ]; then
+  aio=$(cd "$UT_CARRY/libaio" && pwd)
+  export CPATH=$aio/include${CPATH:+:$CPATH} LIBRARY_PATH=$aio/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+  export LD_LIBRARY_PATH=$aio/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 
 # the image's own TORCH_CUDA_ARCH_LIST for the fork; UT_UP_ARCH for upstream
 arch() { if [ "$1" = up ]; then echo "TORCH_CUDA_ARCH_LIST=$UT_UP_ARCH"; else env | grep '^TORCH_CUDA_ARCH_LIST='; fi; }
