@@ -822,7 +822,8 @@ def test_voided_failures_are_run_again_and_their_new_results_complete_the_shard(
     (all or none), so that the fork's next run of their shards takes exactly them."""
     led = _ledger()
     ledger.record(led, [("s", _shard_summary(led, "fork", 3, {
-        "unit/c.py::t1": ("failed", "failed", "no call report"), "unit/c.py::t2": ("failed", "xfailed", "E: listed")}))])
+        "unit/c.py::t1": ("failed", "failed", "no call report"),
+        "unit/c.py::t2": ("failed", "xfailed", "E: listed")}))])
     before = json.dumps(led)
     with pytest.raises(ledger.LedgerError, match="shard 1 has no fork result"):
         ledger.void(led, "fork", ["unit/c.py::t1", "unit/a.py::t1"], "cut off")
@@ -865,7 +866,8 @@ def test_failures_recorded_before_their_entry_was_written_are_judged_again(tmp_p
         ("s4", _shard_summary(led, "fork", 4, {"unit/d.py::t": ("passed", "unexpected-pass", "")}))])
     path, expected = tmp_path / "ledger.json", tmp_path / "expected.txt"
     ledger.save(str(path), led)
-    expected.write_text("[offline] unit/c.py::t1 | downloads a model\n[fork] unit/d.py::t | reads what a patch replaced\n")
+    expected.write_text("[offline] unit/c.py::t1 | downloads a model\n"
+                        "[fork] unit/d.py::t | reads what a patch replaced\n")
     assert cli.main(["--ledger", str(path), "--rejudge", "--expected", str(expected), "--condition", "offline"]) == 0
     r3, r4 = (ledger.load(str(path))["matrices"]["gpu-zero"]["results"]["fork"][k] for k in "34")
     assert (r3["state"], r3["failed"], r3["xfailed"]) == ("failed", 1, 1)  # t1 listed now, t2 no longer
