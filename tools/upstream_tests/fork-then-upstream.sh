@@ -9,8 +9,11 @@
 #      beside 0.19.8 on the fork's failures of the shards complete so far;
 #   2. the fork's summaries recorded into the copy, so that the shards the fork completed in phase 1 get their
 #      0.19.8 selection: 0.19.8 on everything it has left, until WALL_SECONDS after the start.
-# $OUT gets ut.tgz (logs, the summaries in s1/ and s2/) and the summary on stdout. Back here: record s1, then
-# s2 (tools/upstream-tests --ledger tests/upstream/ledger.json --record EXTRACTED/s1, then EXTRACTED/s2).
+# ZW: xdist workers of the fork's gpu-zero run (default 16, for 4 GPUs; 12 suits 2); CT: the seconds a gpu-compile
+# test may take (its node ids left are mostly upstream's `sequential` ones, run one after another: a test that waits
+# must not hold the pass). $OUT gets ut.tgz (logs, the summaries in s1/ and s2/) and the summary on stdout. Back
+# here: record s1, then s2 (tools/upstream-tests --ledger tests/upstream/ledger.json --record EXTRACTED/s1, then
+# EXTRACTED/s2), and commit the ledger before the next command, which otherwise runs the same node ids again.
 set -u
 wall=${1:?usage: OUT=DIR fork-then-upstream.sh WALL_SECONDS}
 END=$(( $(date +%s) + wall ))
@@ -28,7 +31,7 @@ ut() {  # TARGET MATRIX PHASE UNTIL PORT_BASE ARGS...: one ledger run of the rem
     --summary-dir "$X/s$3" "${@:6}" > "$X/log-$3-$1-$2.txt" 2>&1
 }
 echo "[$(date +%T)] ops built; phase 1 until $(date -d @$MID +%T), phase 2 until $(date -d @$END +%T)"
-ut fork gpu-zero 1 "$MID" 20000 --workers 4 -- --timeout 240 &
+ut fork gpu-zero 1 "$MID" 20000 --workers "${ZW:-16}" -- --timeout 240 &
 ut fork gpu-compile 1 "$MID" 30000 --workers 4 -- --timeout "${CT:-200}" &
 ut up gpu-zero 1 "$MID" 40000 --workers 6 -- --timeout 240 &
 ut up gpu-compile 1 "$MID" 50000 --workers 6 -- --timeout "${CT:-200}" &

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by offline-gpu.sh and both-matrices.sh: what every run of tools/upstream-tests on an offline GPU host
+# Sourced by offline-gpu.sh and fork-then-upstream.sh: what every run of tools/upstream-tests on an offline GPU host
 # shares. `tool TARGET ARGS...` runs it on the package offline-gpu.sh installed for TARGET (fork or up), with that
 # target's own op and Inductor folders; UT_TESTS is upstream's tests/ (default UT_CARRY/tests).
 UT_CARRY=${UT_CARRY:-.upstream-tests/gpu-carry}

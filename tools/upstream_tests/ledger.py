@@ -229,15 +229,20 @@ def stamp(ledger, matrix, target, k):
             "selection_sha256": hashlib.sha256("\n".join(ids or []).encode()).hexdigest()}
 
 
+def _state(counts, failures):
+    """A result's state: incomplete while a node id has no result, else failed on an unexpected one, else passed."""
+    if any(message.startswith(NO_RESULT) for _, _, message in failures):
+        return "incomplete"
+    return "failed" if counts["failed"] or counts["unexpected-pass"] else "passed"
+
+
 def result_of(summary):
     """A ledger RESULT from a shard's summary (tools/upstream-tests --ledger writes those)."""
     rows = summary["tests"]
     counts = {c: sum(r["verdict"] == c for r in rows) for c in COUNTS}
-    incomplete = any(r["message"].startswith(NO_RESULT) for r in rows)
-    state = "incomplete" if incomplete else "failed" if counts["failed"] or counts["unexpected-pass"] else "passed"
     failures = [[r["nodeid"], r["verdict"], r["message"][:300]] for r in rows
                 if r["verdict"] in ("failed", "unexpected-pass") or r["outcome"] == "failed"]
-    return dict({"state": state}, **counts, host=summary.get("host", ""), date=summary.get("date", ""),
+    return dict({"state": _state(counts, failures)}, **counts, host=summary.get("host", ""), date=summary.get("date", ""),
                 seconds=summary.get("seconds", 0), deepspeed=summary.get("info", {}).get("deepspeed", ""),
                 torch=summary.get("info", {}).get("torch", ""), workers=summary.get("workers", 0),
                 failures=failures, **({"together": summary["together"]} if summary.get("together") else {}),
@@ -344,8 +349,7 @@ def resumed(old, new):
     kept = [f for f in old["failures"] if f[0] not in redone]
     counts = {c: old[c] - sum(f[1] == c for f in old["failures"] if f[0] in redone) + new[c] for c in COUNTS}
     failures = sorted(kept + new["failures"])
-    incomplete = any(message.startswith(NO_RESULT) for _, _, message in failures)
-    state = "incomplete" if incomplete else "failed" if counts["failed"] or counts["unexpected-pass"] else "passed"
+    state = _state(counts, failures)
     versions = ", ".join(dict.fromkeys(v for r in (old, new) for v in r["deepspeed"].split(", ")))
     return dict(new, state=state, **counts, failures=failures, seconds=old["seconds"] + new["seconds"],
                 deepspeed=versions, resumed=old.get("resumed", 0) + 1)
@@ -372,8 +376,7 @@ def rejudge(ledger, target, judge):
                 if new != "passed":
                     rows.append([nid, new, message])
             r["failures"] = rows
-            if r["state"] != "incomplete":
-                r["state"] = "failed" if r["failed"] or r["unexpected-pass"] else "passed"
+            r["state"] = _state(r, rows)
     return changed
 
 
@@ -407,7 +410,7 @@ def void(ledger, target, nodeids, why):
         r[verdict] -= 1
         r["failed"] += 1
         r["failures"] = sorted([f for f in r["failures"] if f[0] != nid] + [[nid, "failed", f"no result: {why}"]])
-        r["state"] = "incomplete"
+        r["state"] = _state(r, r["failures"])
     return found
 
 

@@ -58,7 +58,7 @@ if [ -n "$UT_OPS" ]; then
   find /tmp/ut-ext-* -maxdepth 2 -name lock -print -delete
 fi
 stamp "ops built"
-[ "$wall" = 0 ] && exit 0  # installs and op builds only (both-matrices.sh runs the tests)
+[ "$wall" = 0 ] && exit 0  # installs and op builds only (fork-then-upstream.sh runs the tests)
 
 worst=0
 for t in $targets; do
