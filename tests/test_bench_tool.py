@@ -200,6 +200,28 @@ def test_upstream_sites_build_their_ops_for_plain_architectures(value, plain):
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
+@pytest.mark.parametrize("version, upstream", [("0.19.8", True), ("0.19.8+fork.32", False), (None, False)])
+def test_a_site_installed_from_upstreams_wheel_gets_plain_architectures(tmp_path, monkeypatch, version, upstream):
+    """Session 23: `--site v0198=DIR`, DIR a `pip install --target` of 0.19.8's wheel, failed its JIT build on a 9.0a
+    host (only `--site LABEL=pinned` had the plain list), and cost a 4-GPU run. The release is read from DIR's
+    dist-info."""
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("bench_tool", os.path.join(REPO, "tools", "bench"))
+    spec = importlib.util.spec_from_loader("bench_tool", loader)
+    tool = importlib.util.module_from_spec(spec)
+    loader.exec_module(tool)
+    (tmp_path / "deepspeed").mkdir()
+    if version:
+        (tmp_path / f"deepspeed-{version}.dist-info").mkdir()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    label, path = tool.parse_site(f"v={tmp_path}", str(tmp_path / "out"))
+    assert (label, path) == ("v", str(tmp_path))
+    assert tool.site_env(path)["TORCH_CUDA_ARCH_LIST"] == ("9.0" if upstream else "9.0a")
+    with pytest.raises(ValueError, match="want LABEL=DIR"):
+        tool.parse_site(f"v={tmp_path / 'missing'}", str(tmp_path / "out"))
+
+
 def test_exposed_communication_is_the_time_no_computation_hides():
     import bench_step
     kernels = [(0, 10, "matmul"), (20, 30, "attention"), (5, 25, "communication"), (40, 45, "communication"),

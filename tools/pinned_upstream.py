@@ -21,6 +21,19 @@ def site(out, label):
     return target
 
 
+def holds_upstream_release(target):
+    """Whether the deepspeed that `pip install --target TARGET` put there is an upstream release (its dist-info
+    version has no +fork), such as a wheel of 0.19.8 carried to a host without internet: its op builder needs
+    plain_arch_list as much as a pinned site's does."""
+    try:
+        names = os.listdir(target)
+    except OSError:
+        return False
+    versions = [n[len("deepspeed-"):-len(".dist-info")] for n in names
+                if n.startswith("deepspeed-") and n.endswith(".dist-info")]
+    return bool(versions) and all("+fork" not in v for v in versions)
+
+
 def plain_arch_list(value):
     """TORCH_CUDA_ARCH_LIST without architecture suffixes ("9.0a;10.0f+PTX" -> "9.0;10.0+PTX"), or None if nothing
     changes. Upstream 0.19.8's op builder reads each entry as numbers and stops at a suffix (`invalid literal for
