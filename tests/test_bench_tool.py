@@ -174,14 +174,9 @@ def test_upstream_sites_build_their_ops_for_plain_architectures(value, plain):
     """0.19.8's op builder stops at an architecture suffix (`invalid literal for int() with base 10: '0a'`: every
     DeepCompile subject of 0.19.8 failed so on an H100 host whose image sets 9.0a). tools/bench gives a pinned
     upstream site the list without suffixes, and leaves every other site's environment as it is."""
-    import importlib.machinery
-    import importlib.util
     import pinned_upstream
     assert pinned_upstream.plain_arch_list(value) == plain
-    loader = importlib.machinery.SourceFileLoader("bench_tool", os.path.join(REPO, "tools", "bench"))
-    spec = importlib.util.spec_from_loader("bench_tool", loader)
-    tool = importlib.util.module_from_spec(spec)
-    loader.exec_module(tool)
+    tool = _cli()
     upstream, fork = "/sites/site-0.19.8", "/sites/fork"
     tool.UPSTREAM_SITES.add(upstream)
     saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
@@ -205,12 +200,7 @@ def test_a_site_installed_from_upstreams_wheel_gets_plain_architectures(tmp_path
     """Session 23: `--site v0198=DIR`, DIR a `pip install --target` of 0.19.8's wheel, failed its JIT build on a 9.0a
     host (only `--site LABEL=pinned` had the plain list), and cost a 4-GPU run. The release is read from DIR's
     dist-info."""
-    import importlib.machinery
-    import importlib.util
-    loader = importlib.machinery.SourceFileLoader("bench_tool", os.path.join(REPO, "tools", "bench"))
-    spec = importlib.util.spec_from_loader("bench_tool", loader)
-    tool = importlib.util.module_from_spec(spec)
-    loader.exec_module(tool)
+    tool = _cli()
     (tmp_path / "deepspeed").mkdir()
     if version:
         (tmp_path / f"deepspeed-{version}.dist-info").mkdir()
