@@ -2,7 +2,7 @@
 
 deepcompile-keep-inductor-dead-code-elimination turned Inductor's elimination back on and registered DeepCompile's
 ops as having side effects, all but `prefetch_params_fused`. That op returns nothing, so every graph leaves it
-"unused", and Inductor dropped it from every compiled graph: from fork.2 to fork.32 DeepCompile ZeRO-3 prefetched no
+"unused", and Inductor dropped it from every compiled graph: from fork.3 to fork.32 DeepCompile ZeRO-3 prefetched no
 parameter, and each one was gathered where `allgather_param` stood (0.19.8 kept it by turning elimination off).
 
 The ops are defined here from the schemas of the installed wheel's csrc/compile/init.cpp, with Python kernels in
