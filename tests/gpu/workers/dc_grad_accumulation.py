@@ -11,12 +11,15 @@ Variants (micro-batch lengths are what a collator that pads to the longest seque
                                step (5), where every graph is compiled again with prefetching and selective gathering
 
 fp32, so that DeepCompile and eager ZeRO agree to rounding and a lost or doubled micro-batch stands out. Also
-records how many graphs Inductor lowered in each optimizer step (test_deepcompile_lowers_only_the_last_cycle.py).
+records how many graphs Inductor lowered in each optimizer step (test_deepcompile_lowers_only_the_last_cycle.py),
+and with --profile-last-step how many times the last step called each of DeepCompile's ops (`dc::...`, as the
+dispatcher records them for torch.profiler; test_deepcompile_z3_prefetches.py).
 DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile ZeRO-3's schedule:
 `recompile_only`, `prefetch`, `selective_gather` (each the WARMUP entry's extra pass).
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -55,6 +58,16 @@ def schedule(name):
     return [(0, [zero3_compile.add_z3_gather_release]), (WARMUP, [zero3_compile.add_z3_gather_release] + extra)]
 
 
+@contextlib.contextmanager
+def _dc_op_calls(rec):
+    """Count the calls of each of DeepCompile's ops inside the block into rec["dc_op_calls"]."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield
+        torch.cuda.synchronize()
+    rec["dc_op_calls"] = {e.key: e.count for e in prof.key_averages() if e.key.startswith("dc::")}
+
+
 def make_batch(index, length):
     return zoo_models.token_batch("llama", 2000 + index, MICRO_BATCH, length)
 
@@ -65,6 +78,7 @@ def main(report):
     ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
     ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
     ap.add_argument("--deadline", type=float, default=400)
+    ap.add_argument("--profile-last-step", action="store_true")
     args = ap.parse_args()
     stacks_at_deadline(args.deadline)
 
@@ -89,10 +103,12 @@ def main(report):
     lowered = compile_phases.InductorGraphs()
     for i in range(steps * grad_acc):
         batch = make_batch(i, length_of(i))
-        loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
-        engine.backward(loss)
-        boundary = engine.is_gradient_accumulation_boundary()
-        engine.step()
+        last = i == steps * grad_acc - 1
+        with _dc_op_calls(rec) if args.profile_last_step and last else contextlib.nullcontext():
+            loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
         rec["losses"].append(loss.item())
         rec["lengths"].append(batch["input_ids"].shape[1])
         if boundary:
