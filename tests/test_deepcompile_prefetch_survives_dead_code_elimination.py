@@ -10,6 +10,7 @@ place of the compiled extension (built on GPU hosts). Each check runs in a proce
 fixes its accelerator for the whole session."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -37,7 +38,7 @@ def run(code):
         pytest.skip("deepspeed is not installed")
     script = textwrap.dedent(DEFINE_OPS) + textwrap.dedent(code)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
