@@ -103,6 +103,28 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path, args, message)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("sites,gpus,held", [(3, [4], 3), (2, [2, 4], 4), (2, [4], 2), (1, [2, 4], 2), (3, [1], 3)])
+def test_a_gpu_holds_one_rank_of_every_process_of_its_group(sites, gpus, held):
+    cli = _cli()
+    sets = parse_sets("multi-gpu-1.5b-4096", "dc-z3")
+    assert cli.processes_a_gpu_holds(sets, [("x", None)] * sites, gpus) == (held, "multi-gpu-1.5b-4096", "dc-z3")
+
+
+@pytest.mark.parametrize("sites,gpus,held", [(3, "4", 3), (2, "2,4", 4)])
+def test_a_multi_rank_group_that_crowds_a_gpu_is_refused(tmp_path, sites, gpus, held):
+    """Three versions of the 4-rank 1.5B/4096 step on 4 GPUs (session 24), and a 2- and a 4-rank process of two
+    versions (session 17), never finished warming up and cost a 10-minute command each: refused before anything
+    runs, unless --crowd. Two processes of several ranks a GPU warm up (run Y)."""
+    args = ["--sets", "multi-gpu-1.5b-4096", "--only", "dc-z3", "--gpus", gpus]
+    for label in "abc"[:sites]:
+        (tmp_path / label / "deepspeed").mkdir(parents=True)
+        args += ["--site", f"{label}={tmp_path / label}"]
+    assert held > _cli().MAX_RANKED_PROCESSES_A_GPU
+    proc = bench(*args, "--out", str(tmp_path / "out"), timeout=60)
+    assert proc.returncode == 2 and f"puts {held} processes on a GPU" in proc.stderr, proc.stderr
+    assert "--crowd" in proc.stderr and not (tmp_path / "out").exists()
+
+
 def test_a_site_that_does_not_hold_the_deepspeed_imported_fails_its_row(tmp_path):
     """--site must test what it names: a site whose deepspeed is shadowed reports an error, not another's times."""
     pytest.importorskip("deepspeed")
