@@ -164,6 +164,45 @@ def _cli():
     return cli
 
 
+def test_the_warm_up_keeps_what_selective_gather_decided_and_restores_the_log_level():
+    """Runs Y and Z1/Z3 (docs/bench.md) gave 0.19.8 0.1206 s and 0.129-0.130 s a step at 4 GPUs, and nothing in the
+    logs told them apart: DeepSpeed logs at WARNING, and selective_gather, which chooses from the device's free memory
+    what stays gathered, reports at INFO. A DeepCompile ZeRO-3 row now keeps those records of its warm-up."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils import log_dist, logger
+    from bench_step import SelectiveGatherLog
+    level, handlers = logger.level, list(logger.handlers)
+    plan = SelectiveGatherLog()
+    log_dist("selective_gather graph_id=7 fwd_peak_resident=10 fwd_transient_peak=20", ranks=[0])
+    log_dist("Set persistent: 3 size: 4096 persistent_mem: 4096 shape: (2048,)", ranks=[0])
+    log_dist("selective_gather selected_count=1 selected_bytes=4096", ranks=[0])
+    logger.warning("something else")
+    kept = plan.close()
+    assert [line.split("selective_gather ")[-1] for line in kept] == [
+        "graph_id=7 fwd_peak_resident=10 fwd_transient_peak=20", "selected_count=1 selected_bytes=4096"]
+    assert logger.level == level and logger.handlers == handlers
+
+
+@pytest.mark.parametrize("last, kept", [
+    ("selective_gather selected_count=190 selected_bytes=2471628800", "190 (2.30 GiB)"),
+    ("selective_gather no effective headroom for new persistent params",
+     "none: no effective headroom for new persistent params"),
+])
+def test_the_table_says_what_selective_gather_kept(tmp_path, last, kept):
+    row = {"set": "s", "subject": "dc-z3", "site": "fork", "deepspeed": "x", "blocks": [{"step_s": [0.5]}],
+           "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0,
+           "selective_gather": ["[Rank 0] selective_gather target_graph_id=1 profiled_mem_lists=4 "
+                                "effective_available_mem=55940702208 persistent_count=0 persistent_bytes=0 "
+                                "candidate_count=190 candidate_bytes=2471628800", "[Rank 0] " + last]}
+    data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
+            "steps": 1, "warmup": 1, "rows": []}
+    cli = _cli()
+    data["rows"] = [cli.summarize(row, data["peak_tflops"])]
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    assert f"| s | dc-z3 | x | {kept} | 190 (2.30 GiB) | 52.10 |" in (tmp_path / "bench.md").read_text()
+
+
 def test_a_row_failed_in_a_group_the_budget_cut_names_the_budget():
     """Session 15's one-GPU run gave 0.19.8's 1.5B DeepCompile ZeRO-3 group 149 s of --group-deadline-s 250, because
     --budget-s (counted from before the op builds) had 149 s left; the row said only "no ready within 149 s"."""

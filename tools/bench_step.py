@@ -204,6 +204,37 @@ def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False):
             "wall_clock_breakdown": False, **({"compile": {"deepcompile": True}} if deepcompile else {})}
 
 
+class SelectiveGatherLog:
+    """DeepCompile ZeRO-3's selective_gather records (DeepSpeed's logger, INFO, rank 0) during the warm-up.
+
+    The pass chooses which parameters stay gathered from the device's free memory, which counts every process on the
+    GPU: two runs of one version, or a version beside another on the same GPUs, can plan differently. The records
+    go into the row (bench.json) and its table, and the logger's level is restored after the warm-up, so the timed
+    steps log as before and the log file prints only what it printed before.
+    """
+
+    def __init__(self):
+        import logging
+        from deepspeed.utils import logger
+        self.logger, self.level, self.lines = logger, logger.level, []
+
+        class Keep(logging.Handler):
+            def emit(handler, record):
+                msg = record.getMessage()
+                if "selective_gather" in msg:
+                    self.lines.append(msg)
+
+        self.handler = Keep(logging.INFO)
+        logger.addHandler(self.handler)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+
+    def close(self):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
+        return self.lines
+
+
 def make_step(subject, model, dev, batch):
     """A function running one training step of `subject` on `model`; the engine, if any."""
     import torch
@@ -284,11 +315,12 @@ def main():
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         step, _ = make_step(args.subject, model, dev, ids)
-        warmup = args.warmup
+        warmup, plan = args.warmup, None
         if args.subject.startswith("dc-z3"):
             # DeepCompile ZeRO-3 compiles every graph again at its WARMUP step: a timed block must not hold it.
             from deepspeed.compile.init_z3 import WARMUP
             warmup = max(warmup, WARMUP + 2)
+            plan = SelectiveGatherLog()
         t0 = time.perf_counter()
         step()
         sync(dev)
@@ -297,6 +329,7 @@ def main():
             step()
         sync(dev)
         warm = time.perf_counter() - t0
+        gathered = plan.close() if plan is not None else None
         world = int(os.environ.get("WORLD_SIZE", "1"))
         info = {"first_step_s": first, "warmup_s": warm, "warmup_steps": warmup, "params": n_all,
                 "flops_per_step": (flops_per_token(n_all - n_not_computed, layers, hidden, args.seq) * args.batch
@@ -314,6 +347,8 @@ def main():
         if dev.type == "cuda":
             info["peak_allocated"] = torch.cuda.max_memory_allocated(dev)
             info["peak_reserved"] = torch.cuda.max_memory_reserved(dev)
+        if gathered is not None:
+            info["selective_gather"] = gathered
         if rank == 0:
             write(base + ".ready", info)
         k, profiled = 0, False
