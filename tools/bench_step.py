@@ -2,7 +2,8 @@
 
   python tools/bench_step.py --subject S --model M --seq N --batch B --ctl DIR --id ID [--warmup W] [--steps N]
                              [--deadline SECONDS]
-  python tools/bench_step.py --peak --ctl DIR --id ID      the bf16 matrix-multiply rate of this GPU, then exit
+  python tools/bench_step.py --peak --ctl DIR --id ID      the bf16 matrix-multiply rate of this GPU and the host's
+                                                           rate of tiny ops, then exit
 
 Protocol (files in DIR, written by rank 0): ID.ready after the warm-up (JSON), then for each DIR/ID.go.K the driver
 writes, ID.res.K (JSON: the seconds of each step of the block, peak memory during it); for DIR/ID.profile (holding
@@ -68,6 +69,32 @@ def matmul_peak(dev):
         a @ b
     sync(dev)
     return 2 * n**3 * 10 / (time.perf_counter() - start) / 1e12
+
+
+def host_ops_rate(dev):
+    """Tiny ops a second this host launches: 20,000 in-place adds to a one-element tensor after 1,000 warm-ups. A step
+    the host bounds is made of such per-op work, and hosts of one GPU kind differ in it (docs/bench.md, run Z3)."""
+    import torch
+    x = torch.zeros(1, device=dev)
+    for _ in range(1000):
+        x.add_(1)
+    sync(dev)
+    start = time.perf_counter()
+    for _ in range(20000):
+        x.add_(1)
+    sync(dev)
+    return 20000 / (time.perf_counter() - start)
+
+
+def host_cpu():
+    """The CPU's model name (/proc/cpuinfo) and the cores this process may use."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {len(os.sched_getaffinity(0))} cores"
 
 
 PROFILED_STEPS = 3
@@ -306,7 +333,8 @@ def main():
         import torch
         dev = device()
         if args.peak:
-            write(base + ".ready", {"peak_tflops": matmul_peak(dev)})
+            write(base + ".ready", {"peak_tflops": matmul_peak(dev), "host_ops_per_s": host_ops_rate(dev),
+                                    "host_cpu": host_cpu()})
             return
         import transformers
         model, n_all, n_not_computed, (layers, hidden) = build_model(args.model)
