@@ -206,6 +206,31 @@ def test_the_table_says_what_selective_gather_kept(tmp_path, last, kept):
     assert f"| s | dc-z3 | x | {kept} | 190 (2.30 GiB) | 52.10 |" in (tmp_path / "bench.md").read_text()
 
 
+def test_a_profile_counts_each_collective_a_step_issues(tmp_path):
+    """Run Z3's profile gave 0.19.8 39.7 ms more of communication kernels a step than fork.33, and the traces were
+    not kept: which collectives, how many, was not known. A profile now counts them."""
+    from bench_step import communication_kernels
+    kernels = [("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 1000.0)] * 6 + [
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 3000.0)] * 2 + [
+        ("ampere_bf16_s16816gemm_bf16_128x64_ldg8_f2f_tn", 9000.0)] * 4
+    comm = communication_kernels(kernels, 2)
+    assert comm == {"ncclDevKernel_AllGather_RING_LL": {"per_step": 3.0, "ms": 3.0},
+                    "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": {"per_step": 1.0, "ms": 3.0}}
+    row = {"set": "s", "subject": "dc-z3", "site": "fork", "deepspeed": "x", "blocks": [{"step_s": [0.5]}],
+           "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0,
+           "profile": {"steps": 2, "wall_ms": 20.0, "device_ms": {"communication": 6.0, "matmul": 18.0},
+                       "host_aten_ops": 10, "communication_kernels": comm}}
+    data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
+            "steps": 1, "warmup": 1, "rows": []}
+    cli = _cli()
+    data["rows"] = [cli.summarize(row, data["peak_tflops"])]
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    table = (tmp_path / "bench.md").read_text()
+    assert "| s | dc-z3 | x | `ncclDevKernel_AllGather_RING_LL` | 3 | 3.0 |" in table
+    assert "| s | dc-z3 | x | `ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL` | 1 | 3.0 |" in table
+
+
 def test_a_row_failed_in_a_group_the_budget_cut_names_the_budget():
     """Session 15's one-GPU run gave 0.19.8's 1.5B DeepCompile ZeRO-3 group 149 s of --group-deadline-s 250, because
     --budget-s (counted from before the op builds) had 149 s left; the row said only "no ready within 149 s"."""

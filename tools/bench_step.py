@@ -113,6 +113,20 @@ def category(name):
     return next((cat for cat, pattern in CATEGORIES if pattern.search(name)), "other")
 
 
+def communication_kernels(kernels, n):
+    """(name, device microseconds) of every kernel of n steps -> per communication kernel (its name up to the
+    argument list): launches and milliseconds a step. The categories say how long communication took; this says
+    which collectives, and how many, a step issues (all-gathers against reduce-scatters, one version against
+    another)."""
+    out = {}
+    for name, us in kernels:
+        if category(name) == "communication":
+            row = out.setdefault(name.split("(")[0][:80], {"per_step": 0.0, "ms": 0.0})
+            row["per_step"] += 1 / n
+            row["ms"] += us / 1e3 / n
+    return out
+
+
 def profile_steps(step, dev, n, trace):
     """Run n steps under torch.profiler; write the Chrome trace to `trace` (if given) and return, per step, the
     device time of each kernel category, the device's idle time between kernels within the steps, the wall time,
@@ -145,6 +159,8 @@ def profile_steps(step, dev, n, trace):
         spans = [(e.time_range.start, e.time_range.end, category(e.name)) for e in kernels]
         summary.update({f"{k}_ms": us / 1e3 / n for k, us in device_time_split(spans).items()})
         summary["device_idle_ms"] = max(0.0, wall * 1e3 - summary["device_busy_ms"])
+        summary["communication_kernels"] = communication_kernels(
+            [(e.name, e.time_range.elapsed_us()) for e in kernels], n)
     return summary
 
 
