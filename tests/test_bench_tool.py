@@ -186,24 +186,28 @@ def test_the_warm_up_keeps_what_selective_gather_decided_and_restores_the_log_le
     assert logger.level == level and logger.handlers == handlers
 
 
+def _rendered(tmp_path, **fields):
+    """bench.md of one timed DeepCompile ZeRO-3 row of a one-GPU run, with `fields` added to the row."""
+    row = {"set": "s", "subject": "dc-z3", "site": "fork", "deepspeed": "x", "blocks": [{"step_s": [0.5]}],
+           "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0, **fields}
+    cli = _cli()
+    data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
+            "steps": 1, "warmup": 1, "rows": [cli.summarize(row, 100.0)]}
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    return (tmp_path / "bench.md").read_text()
+
+
 @pytest.mark.parametrize("last, kept", [
     ("selective_gather selected_count=190 selected_bytes=2471628800", "190 (2.30 GiB)"),
     ("selective_gather no effective headroom for new persistent params",
      "none: no effective headroom for new persistent params"),
 ])
 def test_the_table_says_what_selective_gather_kept(tmp_path, last, kept):
-    row = {"set": "s", "subject": "dc-z3", "site": "fork", "deepspeed": "x", "blocks": [{"step_s": [0.5]}],
-           "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0,
-           "selective_gather": ["[Rank 0] selective_gather target_graph_id=1 profiled_mem_lists=4 "
-                                "effective_available_mem=55940702208 persistent_count=0 persistent_bytes=0 "
-                                "candidate_count=190 candidate_bytes=2471628800", "[Rank 0] " + last]}
-    data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
-            "steps": 1, "warmup": 1, "rows": []}
-    cli = _cli()
-    data["rows"] = [cli.summarize(row, data["peak_tflops"])]
-    (tmp_path / "bench.json").write_text(json.dumps(data))
-    cli.render(str(tmp_path))
-    assert f"| s | dc-z3 | x | {kept} | 190 (2.30 GiB) | 52.10 |" in (tmp_path / "bench.md").read_text()
+    table = _rendered(tmp_path, selective_gather=[
+        "[Rank 0] selective_gather target_graph_id=1 profiled_mem_lists=4 effective_available_mem=55940702208 "
+        "persistent_count=0 persistent_bytes=0 candidate_count=190 candidate_bytes=2471628800", "[Rank 0] " + last])
+    assert f"| s | dc-z3 | x | {kept} | 190 (2.30 GiB) | 52.10 |" in table
 
 
 def test_a_profile_counts_each_collective_a_step_issues(tmp_path):
@@ -216,17 +220,9 @@ def test_a_profile_counts_each_collective_a_step_issues(tmp_path):
     comm = communication_kernels(kernels, 2)
     assert comm == {"ncclDevKernel_AllGather_RING_LL": {"per_step": 3.0, "ms": 3.0},
                     "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": {"per_step": 1.0, "ms": 3.0}}
-    row = {"set": "s", "subject": "dc-z3", "site": "fork", "deepspeed": "x", "blocks": [{"step_s": [0.5]}],
-           "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0,
-           "profile": {"steps": 2, "wall_ms": 20.0, "device_ms": {"communication": 6.0, "matmul": 18.0},
-                       "host_aten_ops": 10, "communication_kernels": comm}}
-    data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
-            "steps": 1, "warmup": 1, "rows": []}
-    cli = _cli()
-    data["rows"] = [cli.summarize(row, data["peak_tflops"])]
-    (tmp_path / "bench.json").write_text(json.dumps(data))
-    cli.render(str(tmp_path))
-    table = (tmp_path / "bench.md").read_text()
+    profile = {"steps": 2, "wall_ms": 20.0, "host_aten_ops": 10, "communication_kernels": comm,
+               "device_ms": {"communication": 6.0, "matmul": 18.0}}
+    table = _rendered(tmp_path, profile=profile)
     assert "| s | dc-z3 | x | `ncclDevKernel_AllGather_RING_LL` | 3 | 3.0 |" in table
     assert "| s | dc-z3 | x | `ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL` | 1 | 3.0 |" in table
 
