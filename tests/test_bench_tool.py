@@ -180,7 +180,7 @@ def test_the_warm_up_keeps_what_selective_gather_decided_and_restores_the_log_le
     log_dist("Set persistent: 3 size: 4096 persistent_mem: 4096 shape: (2048,)", ranks=[0])
     log_dist("selective_gather selected_count=1 selected_bytes=4096", ranks=[0])
     logger.warning("something else")
-    kept = plan.close()
+    kept = plan.finish()
     assert [line.split("selective_gather ")[-1] for line in kept] == [
         "graph_id=7 fwd_peak_resident=10 fwd_transient_peak=20", "selected_count=1 selected_bytes=4096"]
     assert logger.level == level and logger.handlers == handlers

@@ -15,6 +15,7 @@ prints every thread's Python stack and exits (faulthandler), so a hang is a fail
 import argparse
 import faulthandler
 import json
+import logging
 import os
 import re
 import sys
@@ -247,34 +248,31 @@ def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False):
             "wall_clock_breakdown": False, **({"compile": {"deepcompile": True}} if deepcompile else {})}
 
 
-class SelectiveGatherLog:
+class SelectiveGatherLog(logging.Handler):
     """DeepCompile ZeRO-3's selective_gather records (DeepSpeed's logger, INFO, rank 0) during the warm-up.
 
     The pass chooses which parameters stay gathered from the device's free memory, which counts every process on the
     GPU: two runs of one version, or a version beside another on the same GPUs, can plan differently. The records
-    go into the row (bench.json) and its table, and the logger's level is restored after the warm-up, so the timed
-    steps log as before and the log file prints only what it printed before.
+    go into the row (bench.json) and its table. DeepSpeed's own handler keeps its level (WARNING), so the log file
+    prints what it printed before, and finish() restores the logger's level before the timed steps.
     """
 
     def __init__(self):
-        import logging
+        super().__init__(logging.INFO)
         from deepspeed.utils import logger
-        self.logger, self.level, self.lines = logger, logger.level, []
-
-        class Keep(logging.Handler):
-            def emit(handler, record):
-                msg = record.getMessage()
-                if "selective_gather" in msg:
-                    self.lines.append(msg)
-
-        self.handler = Keep(logging.INFO)
-        logger.addHandler(self.handler)
+        self.logger, self.level_before, self.lines = logger, logger.level, []
+        logger.addHandler(self)
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
 
-    def close(self):
-        self.logger.removeHandler(self.handler)
-        self.logger.setLevel(self.level)
+    def emit(self, record):
+        msg = record.getMessage()
+        if "selective_gather" in msg:
+            self.lines.append(msg)
+
+    def finish(self):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
         return self.lines
 
 
@@ -373,7 +371,7 @@ def main():
             step()
         sync(dev)
         warm = time.perf_counter() - t0
-        gathered = plan.close() if plan is not None else None
+        gathered = plan.finish() if plan is not None else None
         world = int(os.environ.get("WORLD_SIZE", "1"))
         info = {"first_step_s": first, "warmup_s": warm, "warmup_steps": warmup, "params": n_all,
                 "flops_per_step": (flops_per_token(n_all - n_not_computed, layers, hidden, args.seq) * args.batch
