@@ -227,6 +227,40 @@ def test_a_profile_counts_each_collective_a_step_issues(tmp_path):
     assert "| s | dc-z3 | x | `ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL` | 1 | 3.0 |" in table
 
 
+def _event(name, start, end, device=True, annotation=False):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA if device else DeviceType.CPU, time_range=span,
+                           is_user_annotation=annotation, self_cpu_time_total=end - start)
+
+
+def test_a_profile_counts_no_record_function_range_as_device_time():
+    """Run Z4's collectives table listed `nccl:all_reduce` beside the all-reduce kernels it launched, with their
+    time: the c10d collectives' record_function ranges come back as device events too, and were summed with the
+    kernels (0.19.8's communication 60.1 ms a step, 49.5 ms of it kernels). A range covers the gaps between its
+    kernels as well: an optimizer step's range made those gaps busy and hid the communication in them."""
+    import bench_step
+    events = [_event("nvjet_gemm", 0, 4000), _event("ncclDevKernel_AllReduce_Sum_f64_RING_LL(x)", 4000, 6000),
+              _event("nccl:all_reduce", 4000, 6000, annotation=True),
+              _event("multi_tensor_apply_kernel", 6000, 7000), _event("ncclDevKernel_AllGather_RING_LL(x)", 7000, 8000),
+              _event("multi_tensor_apply_kernel", 8000, 9000),
+              _event("Optimizer.step#FusedAdam.step", 6000, 9000, annotation=True),
+              _event("aten::mm", 0, 100, device=False), _event("aten::add_", 0, 50, device=False)]
+    summary = bench_step.summarize_profile(events, 1, 0.010, on_device=True)
+    assert summary["device_ms"] == pytest.approx({"matmul": 4.0, "communication": 3.0, "optimizer": 2.0})
+    assert summary["communication_kernels"] == {
+        "ncclDevKernel_AllReduce_Sum_f64_RING_LL": {"per_step": 1.0, "ms": 2.0},
+        "ncclDevKernel_AllGather_RING_LL": {"per_step": 1.0, "ms": 1.0}}
+    assert summary["device_busy_ms"] == pytest.approx(9.0) and summary["device_idle_ms"] == pytest.approx(1.0)
+    # the all-gather between the two optimizer kernels ran with nothing beside it, as did the all-reduce
+    assert summary["exposed_communication_ms"] == pytest.approx(3.0)
+    assert summary["host_aten_ops"] == 2
+    on_cpu = bench_step.summarize_profile(events, 1, 0.010, on_device=False)
+    assert on_cpu["device_ms"] == pytest.approx({"matmul": 0.1, "other": 0.05}) and on_cpu["host_aten_ops"] == 2
+
+
 def test_a_row_failed_in_a_group_the_budget_cut_names_the_budget():
     """Session 15's one-GPU run gave 0.19.8's 1.5B DeepCompile ZeRO-3 group 149 s of --group-deadline-s 250, because
     --budget-s (counted from before the op builds) had 149 s left; the row said only "no ready within 149 s"."""
@@ -311,15 +345,18 @@ def test_split_trace_reads_the_kernels_of_a_profiled_trace(tmp_path):
     trace = tmp_path / "t.json"
     events = [{"cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 3000},
               {"cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 1000, "dur": 6000},
+              {"cat": "gpu_user_annotation", "name": "nccl:all_gather", "ts": 1000, "dur": 6000},
+              {"cat": "gpu_user_annotation", "name": "Optimizer.step#FusedAdam.step", "ts": 7000, "dur": 2000},
+              {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 8000, "dur": 1000},
               {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9000}]
     trace.write_text(json.dumps({"traceEvents": events}))
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     split = json.loads(proc.stdout)  # 3 steps: ms per step
-    assert split["device_busy_ms"] == pytest.approx(7 / 3)
+    assert split["device_busy_ms"] == pytest.approx(8 / 3)
     assert split["exposed_communication_ms"] == pytest.approx(4 / 3)
-    assert split["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 2.0})
-    trace.write_text(json.dumps({"traceEvents": events[2:]}))
+    assert split["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 2.0, "other": 1 / 3})
+    trace.write_text(json.dumps({"traceEvents": events[2:3] + events[5:]}))
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
     assert proc.returncode == 2 and "no device kernels" in proc.stderr, proc.stderr
 

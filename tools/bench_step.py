@@ -132,8 +132,6 @@ def profile_steps(step, dev, n, trace):
     """Run n steps under torch.profiler; write the Chrome trace to `trace` (if given) and return, per step, the
     device time of each kernel category, the device's idle time between kernels within the steps, the wall time,
     and the count of host-side aten ops. On a CPU, categories are of the aten ops' own CPU time."""
-    import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     sync(dev)
@@ -145,10 +143,18 @@ def profile_steps(step, dev, n, trace):
     wall = (time.perf_counter() - start) / n
     if trace:
         prof.export_chrome_trace(trace)
-    events = prof.events()
-    on_device = dev.type == "cuda"
+    return summarize_profile(prof.events(), n, wall, dev.type == "cuda")
+
+
+def summarize_profile(events, n, wall, on_device):
+    """The profiler's events of n steps (wall seconds a step) -> the per-step summary profile_steps returns. On a
+    device only its kernels, copies and memsets count: a record_function range (the c10d collectives' `nccl:*`, an
+    optimizer's `Optimizer.step#*`) also comes back as a device event, spanning the kernels launched inside it, and
+    counting it would count those kernels twice and the gaps between them as busy (torch's own device-time totals
+    leave these out)."""
+    from torch.autograd import DeviceType
     kernels = [e for e in events if (e.device_type == DeviceType.CUDA) == on_device and
-               (on_device or e.name.startswith("aten::"))]
+               (not e.is_user_annotation if on_device else e.name.startswith("aten::"))]
     by_cat = {}
     for e in kernels:
         us = e.time_range.elapsed_us() if on_device else e.self_cpu_time_total
@@ -188,10 +194,12 @@ def covered(spans):
 
 def split_chrome_trace(path, steps=PROFILED_STEPS):
     """The Chrome trace of `steps` profiled steps (--profile writes them to OUT/traces) -> per step, in ms: each kernel
-    category's device time, the time any kernel ran, and the time communication ran exposed (device_time_split)."""
+    category's device time, the time any kernel ran, and the time communication ran exposed (device_time_split).
+    Kernels, copies and memsets count, as in summarize_profile; `gpu_user_annotation` ranges do not."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
-    kernels = [(e["ts"], e["ts"] + e["dur"], category(e["name"])) for e in events if e.get("cat") == "kernel"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], category(e["name"])) for e in events
+               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:
         raise ValueError(f"{path}: no device kernels in this trace")
     split = {f"{k}_ms": us / 1e3 / steps for k, us in device_time_split(kernels).items()}
