@@ -227,6 +227,18 @@ def test_a_profile_counts_each_collective_a_step_issues(tmp_path):
     assert "| s | dc-z3 | x | `ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL` | 1 | 3.0 |" in table
 
 
+@pytest.mark.parametrize("name,cat", [("Memcpy DtoD (Device -> Device)", "copies and casts"),
+                                      ("Memset (Device)", "copies and casts"),
+                                      ("ncclDevKernel_AllGather_RING_LL", "communication"),
+                                      ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "matmul"),
+                                      ("FusedAdamMathFunctor", "optimizer"), ("triton_poi_fused_add_0", "other")])
+def test_kernel_categories_ignore_case(name, cat):
+    """The profiler names the device's copies `Memcpy ...` and `Memset ...`: matched case-sensitively they were
+    `other`, not copies."""
+    import bench_step
+    assert bench_step.category(name) == cat
+
+
 def _event(name, start, end, device=True, annotation=False):
     from types import SimpleNamespace
 
@@ -355,7 +367,7 @@ def test_split_trace_reads_the_kernels_of_a_profiled_trace(tmp_path):
     split = json.loads(proc.stdout)  # 3 steps: ms per step
     assert split["device_busy_ms"] == pytest.approx(8 / 3)
     assert split["exposed_communication_ms"] == pytest.approx(4 / 3)
-    assert split["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 2.0, "other": 1 / 3})
+    assert split["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 2.0, "copies and casts": 1 / 3})
     trace.write_text(json.dumps({"traceEvents": events[2:3] + events[5:]}))
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
     assert proc.returncode == 2 and "no device kernels" in proc.stderr, proc.stderr

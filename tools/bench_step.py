@@ -102,11 +102,11 @@ PROFILED_STEPS = 3
 # Where the time of a profiled step goes: the first category whose pattern a kernel's (on a CPU: an aten op's)
 # name matches, case-insensitive.
 CATEGORIES = (
-    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all")),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|cudnn.*(mha|attn)")),
-    ("matmul", re.compile(r"gemm|matmul|\bmm\b|addmm|bmm|cutlass|xmma|cublas|nvjet|linear")),
-    ("optimizer", re.compile(r"adam|_foreach_|multi_tensor|lamb|sgd")),
-    ("copies and casts", re.compile(r"copy|cast|_to_copy|memcpy|memset|convert|contiguous|\bcat\b|clone|fill")),
+    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|cudnn.*(mha|attn)", re.I)),
+    ("matmul", re.compile(r"gemm|matmul|\bmm\b|addmm|bmm|cutlass|xmma|cublas|nvjet|linear", re.I)),
+    ("optimizer", re.compile(r"adam|_foreach_|multi_tensor|lamb|sgd", re.I)),
+    ("copies and casts", re.compile(r"copy|cast|_to_copy|memcpy|memset|convert|contiguous|\bcat\b|clone|fill", re.I)),
 )
 
 
