@@ -59,10 +59,10 @@ SETS = {
     "zero2": ("llama-0.5b", 2048, 1, [["dc-z2"], ["ds-z2"], ["compile"]]),
     "dense-1.5b": ("llama-1.5b", 2048, 1, [["compile"], ["dc-z1"], ["dc-z3"]]),
     # Issue 15, with --gpus N: DeepCompile ZeRO-3 against FSDP2 + compile and eager ZeRO-3, then the cell of the MFU
-    # target (1.5B at seq 4096) and the MoE model.
+    # target (1.5B at seq 4096) and the MoE model, each with eager ZeRO-3 last.
     "multi-gpu": ("llama-0.5b", 2048, 1, [["fsdp2"], ["dc-z3"], ["ds-z3"]]),
-    "multi-gpu-1.5b-4096": ("llama-1.5b", 4096, 1, [["dc-z3"], ["fsdp2"]]),
-    "multi-gpu-moe": ("qwen2-moe", 2048, 1, [["dc-z3"], ["fsdp2"]]),
+    "multi-gpu-1.5b-4096": ("llama-1.5b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
+    "multi-gpu-moe": ("qwen2-moe", 2048, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
 }
 
