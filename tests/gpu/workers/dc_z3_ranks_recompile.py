@@ -12,9 +12,15 @@ of each step, and how many Dynamo graphs it had compiled after each step.
 then evaluation as the Hugging Face Trainer runs it, calling the engine's module itself under no_grad, at 40/50 and
 44/37: rank 0's first evaluation length is the one its frame was compiled for. Each rank reports the evaluation
 losses and the Dynamo graphs after each call.
+
+--case padding-benchmarks-disagree (the same test file): the zoo's Llama with GPT-2's vocabulary, 50257 rows, whose
+output projection Inductor may pad to a multiple of 8 where a benchmark timed on the rank's GPU finds that faster. In
+DeepCompile mode each rank's benchmark answers for it, rank 0 that padding is faster and rank 1 that it is not, as two
+ranks timing it apart can; each rank reports how often Inductor asked. Both ranks train at length 40 every step.
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -31,6 +37,9 @@ MICRO_BATCH = 2
 LENGTHS = {0: (40, 40, 36, 52, 44), 1: (40, 45, 40, 37, 52)}
 # --case calls-of-the-module: (training length, evaluation lengths) of each rank.
 DIRECT = {0: (40, (40, 44)), 1: (45, (50, 37))}
+# --case padding-benchmarks-disagree: every rank's length at every step, and the model's vocabulary (GPT-2's).
+ONE_LENGTH = {0: (40, 40, 40), 1: (40, 40, 40)}
+GPT2_VOCAB = 50257
 
 
 def make_batch(step, length):
@@ -50,7 +59,14 @@ def main(report):
     import deepspeed
 
     torch.manual_seed(0)
-    model = zoo_models.build("llama")
+    if args.case == "padding-benchmarks-disagree":
+        import transformers
+        config = transformers.LlamaConfig(**dict(zoo_models.SMALL, vocab_size=GPT2_VOCAB))
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if args.mode == "deepcompile":
+            report["padding_asked"] = benchmark_answers_for_this_rank(report["rank"])
+    else:
+        model = zoo_models.build("llama")
     config = ds_configs.zero(3, MICRO_BATCH, 1, 1e-3, optimizer="AdamW", deepcompile=args.mode == "deepcompile",
                              clip=1.0, stage3_param_persistence_threshold=0)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -63,13 +79,28 @@ def main(report):
     engine.destroy()
 
 
+def benchmark_answers_for_this_rank(rank):
+    """Inductor's pad_mm pass asks a benchmark whether padding a matmul is faster; answer for the rank instead, and
+    count the questions (the list the report keeps)."""
+    import torch._inductor.fx_passes.pad_mm as pad_mm
+
+    asked = []
+
+    def answer(*args, **kwargs):
+        asked.append(rank == 0)
+        return rank == 0
+
+    pad_mm._should_pad = answer
+    return asked
+
+
 def on(device, batch):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def train_at_each_ranks_lengths(engine, device, report, mode, counters):
+def train_at_each_ranks_lengths(lengths, engine, device, report, mode, counters):
     rec = report["run"] = dict(mode=mode, lengths=[], losses=[], grad_norms=[], graphs=[], reached="start")
-    for step, length in enumerate(LENGTHS[report["rank"]]):
+    for step, length in enumerate(lengths[report["rank"]]):
         rec["reached"] = f"step {step}"
         report.write()
         loss = engine(**on(device, make_batch(step, length))).loss
@@ -96,7 +127,11 @@ def train_then_call_the_module(engine, device, report, mode, counters):
         rec["graphs"].append(counters.snapshot()["graphs"])
 
 
-CASES = {"recompile-together": train_at_each_ranks_lengths, "calls-of-the-module": train_then_call_the_module}
+CASES = {
+    "recompile-together": functools.partial(train_at_each_ranks_lengths, LENGTHS),
+    "calls-of-the-module": train_then_call_the_module,
+    "padding-benchmarks-disagree": functools.partial(train_at_each_ranks_lengths, ONE_LENGTH),
+}
 
 if __name__ == "__main__":
     run_worker("dc-z3-ranks-recompile", main)
