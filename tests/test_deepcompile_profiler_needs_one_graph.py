@@ -41,6 +41,27 @@ def test_the_mismatch_names_the_node_where_the_ranks_graphs_part():
             assert where in said, said
 
 
+def test_graphs_traced_at_the_same_sizes_are_not_blamed_on_the_inputs():
+    """On 4xH200 (fork.33) two ranks with inputs of one shape stopped with this error, which said that the ranks had
+    traced their graphs for inputs of different shapes and to pad them: Inductor had padded a matmul on one rank only
+    (deepcompile-z3-ranks-agree-on-matmul-padding). Where every rank traced every input at the same size, the error
+    now says so (patch deepcompile-graph-mismatch-says-when-inputs-agree)."""
+    for rank in cpu_worker.run_two_ranks(WORKER, ["--differ", "--traced"]).values():
+        for name in PROFILERS:
+            said = rank[name]
+            assert said.startswith("ProfileGraphMismatch: ") and "departs from this rank's at node" in said, said
+            assert "traced its inputs at the same sizes" in said and "pad_tensors" not in said, said
+
+
+def test_graphs_traced_at_different_sizes_name_the_input_and_the_remedy():
+    ranks = cpu_worker.run_two_ranks(WORKER, ["--differ", "--traced", "--rows", "4", "5"])
+    for rank in ranks.values():
+        for name in PROFILERS:
+            said = rank[name]
+            assert "graph input 0 traced as [4, 8] on rank 0, [5, 8] on rank 1" in said, said
+            assert "inputs of different shapes" in said and "pad_tensors" in said, said
+
+
 def test_ranks_with_the_same_graph_profile_it():
     for rank in cpu_worker.run_two_ranks(WORKER, []).values():
         assert [rank[name] for name in PROFILERS] == ["returned", "returned"], rank

@@ -1,7 +1,9 @@
 """Worker for tests/test_deepcompile_profiler_needs_one_graph.py and
 tests/test_deepcompile_z3_profiler_gathers_alike.py: two ranks run DeepCompile's profilers over their graphs, the
 same graph (default) or graphs that differ by one node (--differ), or the same graph over a ZeRO-3 parameter that is
-partitioned on rank 0 and gathered on rank 1 (--split-param), on CPU (gloo, DS_ACCELERATOR=cpu).
+partitioned on rank 0 and gathered on rank 1 (--split-param), on CPU (gloo, DS_ACCELERATOR=cpu). The graphs come from
+torch.fx.symbolic_trace, which records no input sizes, or with --traced from make_fx, which records them as AOT's
+graphs do; --rows gives rank 0's and rank 1's input rows (4 and 4).
 
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_profile_graph_mismatch.py --differ   (tests/gpu/dist.py starts it)
 
@@ -91,11 +93,14 @@ def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--differ", action="store_true", help="rank 1's graph has one node more")
     ap.add_argument("--split-param", action="store_true", help="a ZeRO-3 parameter gathered on rank 1 only")
+    ap.add_argument("--traced", action="store_true", help="graphs that record their inputs' sizes (make_fx)")
+    ap.add_argument("--rows", type=int, nargs=2, default=(4, 4), help="rows of rank 0's and of rank 1's input")
     args = ap.parse_args()
     import torch
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.compile.profilers import graph_profile
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
     deepspeed.accelerator.get_accelerator().current_device = lambda: "cpu"
@@ -115,7 +120,7 @@ def main(report):
             return (y * 2 if self.extra else y, )
 
     rank = report["rank"]
-    x = torch.randn(4, 8)
+    x = torch.randn(args.rows[rank], 8)
     if args.split_param:
         weight = torch.nn.Parameter(torch.randn(8, 8))
         param = FakeZeroParam(weight, gathered=rank == 1)
@@ -129,7 +134,8 @@ def main(report):
     for name in ("ProfilingInterpreter", "MemoryProfilingInterpreter"):
         if args.split_param:
             break
-        gm = torch.fx.symbolic_trace(Net(extra=args.differ and rank == 1))
+        net = Net(extra=args.differ and rank == 1)
+        gm = make_fx(net)(x) if args.traced else torch.fx.symbolic_trace(net)
         try:
             run_profiler(getattr(graph_profile, name)(gm), x)
             report[name] = "returned"
