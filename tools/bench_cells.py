@@ -2,7 +2,8 @@
 
 A subject is how a training step is run: plain PyTorch (`torch`), `torch.compile` of the model (`compile`), eager
 DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`; `dc-zN-bf16` without fp32
-master weights), or FSDP2 with a `torch.compile` per block (`fsdp2`). Every subject trains the same model from the same
+master weights; `dc-z3-pad` with Inductor's `force_shape_pad`, padding every matmul of odd size without a benchmark),
+or FSDP2 with a `torch.compile` per block (`fsdp2`). Every subject trains the same model from the same
 seed with AdamW (torch's fused implementation: the optimizer a PyTorch user would pick; DeepSpeed gets it as the client
 optimizer) on bf16: DeepSpeed and FSDP2 keep fp32 master weights, gradients and optimizer states (`dc-zN-bf16`: bf16
 ones), `torch` and `compile` train bf16 parameters.
@@ -20,6 +21,9 @@ MODELS = {
     # Llama-style, Llama 3's vocabulary (a large embedding): about 0.55B and 1.5B parameters.
     "llama-0.5b": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
                                        num_attention_heads=16, num_key_value_heads=8, vocab_size=128256)),
+    # The 0.55B Llama with GPT-2's vocabulary, 50257 rows: an output projection of odd size, which Inductor may pad.
+    "llama-0.5b-gpt2-vocab": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                                                  num_attention_heads=16, num_key_value_heads=8, vocab_size=50257)),
     "llama-1.5b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
     # Qwen2-MoE-style, 16 routed experts of which 2 a token and a shared expert in every layer, Llama 3's vocabulary:
@@ -38,7 +42,7 @@ MODELS = {
 }
 
 SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2", "dc-z3", "dc-z1-bf16",
-            "dc-z3-bf16", "fsdp2")
+            "dc-z3-bf16", "dc-z3-pad", "fsdp2")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 
@@ -63,6 +67,9 @@ SETS = {
     "multi-gpu": ("llama-0.5b", 2048, 1, [["fsdp2"], ["dc-z3"], ["ds-z3"]]),
     "multi-gpu-1.5b-4096": ("llama-1.5b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
     "multi-gpu-moe": ("qwen2-moe", 2048, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
+    # What fork.34's deepcompile-z3-ranks-agree-on-matmul-padding costs where it acts, with --gpus 2: the output
+    # projection unpadded (the patch) against padded on every rank (force_shape_pad), side by side.
+    "odd-vocab": ("llama-0.5b-gpt2-vocab", 2048, 1, [["dc-z3", "dc-z3-pad"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
 }
 

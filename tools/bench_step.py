@@ -324,6 +324,9 @@ def make_step(subject, model, dev, batch):
     cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0], subject.endswith("-bf16"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    if subject.endswith("-pad"):
+        import torch._inductor.config as inductor_config
+        inductor_config.force_shape_pad = True
     if kind == "dc":
         engine.compile()
 
