@@ -24,7 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
-from founding_common import run_worker  # noqa: E402
+from founding_common import reduce_the_final_bucket, run_worker  # noqa: E402
 
 
 class FakeZeroParam:
@@ -98,7 +98,6 @@ def main(report):
     args = ap.parse_args()
     import torch
     import deepspeed
-    import deepspeed.comm as dist
     from deepspeed.compile.profilers import graph_profile
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -141,9 +140,7 @@ def main(report):
             report[name] = "returned"
         except RuntimeError as e:
             report[name] = f"{type(e).__name__}: {e}"
-    bucket = torch.full((1024, ), float(rank + 1))
-    dist.all_reduce(bucket)
-    report["reduced"] = bucket[0].item()
+    reduce_the_final_bucket(report)
 
 
 if __name__ == "__main__":

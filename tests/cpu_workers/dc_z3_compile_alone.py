@@ -20,7 +20,7 @@ import time
 import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
-from founding_common import run_worker  # noqa: E402
+from founding_common import reduce_the_final_bucket, run_worker  # noqa: E402
 
 WAIT_S = 5  # compile.compile_sync_timeout: how long the compiling rank waits for the other
 
@@ -74,9 +74,7 @@ def main(report):
         except RuntimeError as e:
             report["compile_error"] = str(e)
         report["compile_s"] = round(time.time() - start, 1)
-    bucket = torch.full((1024, ), float(rank + 1))
-    dist.all_reduce(bucket)
-    report["reduced"] = bucket[0].item()
+    reduce_the_final_bucket(report)
 
 
 if __name__ == "__main__":

@@ -154,6 +154,16 @@ def describe(report):
     report["device_name"] = torch.cuda.get_device_name()
 
 
+def reduce_the_final_bucket(report):
+    """A CPU worker's last collective, which tests/cpu_worker.run_two_ranks checks: rank r all-reduces a bucket of
+    r + 1s. 3.0 on both ranks means that it met the other rank's bucket, not a stray collective of one rank."""
+    import torch
+    import deepspeed.comm as dist
+    bucket = torch.full((1024, ), float(report["rank"] + 1))
+    dist.all_reduce(bucket)
+    report["reduced"] = bucket[0].item()
+
+
 def run_worker(fix, main, hard_exit=False, **fields):
     """Run ``main(report)``; on any exception record the traceback and leave at once with status 1. hard_exit: once
     the report is out, leave without the interpreter's teardown (os._exit(0)). The CPU workers on gloo take it: a
