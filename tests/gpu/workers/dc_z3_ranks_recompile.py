@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
+from founding_common import (answer_inductors_padding_benchmark, cancel_deadline, describe, run_worker,  # noqa: E402
+                             setup_device, stacks_at_deadline)
 from zoo_cell import Counters  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
@@ -64,7 +65,7 @@ def main(report):
         config = transformers.LlamaConfig(**dict(zoo_models.SMALL, vocab_size=GPT2_VOCAB))
         model = transformers.AutoModelForCausalLM.from_config(config)
         if args.mode == "deepcompile":
-            report["padding_asked"] = benchmark_answers_for_this_rank(report["rank"])
+            report["padding_asked"] = answer_inductors_padding_benchmark(report["rank"] == 0)
     else:
         model = zoo_models.build("llama")
     config = ds_configs.zero(3, MICRO_BATCH, 1, 1e-3, optimizer="AdamW", deepcompile=args.mode == "deepcompile",
@@ -77,21 +78,6 @@ def main(report):
     report.write()
     cancel_deadline()
     engine.destroy()
-
-
-def benchmark_answers_for_this_rank(rank):
-    """Inductor's pad_mm pass asks a benchmark whether padding a matmul is faster; answer for the rank instead, and
-    count the questions (the list the report keeps)."""
-    import torch._inductor.fx_passes.pad_mm as pad_mm
-
-    asked = []
-
-    def answer(*args, **kwargs):
-        asked.append(rank == 0)
-        return rank == 0
-
-    pad_mm._should_pad = answer
-    return asked
 
 
 def on(device, batch):

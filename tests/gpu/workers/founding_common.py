@@ -154,6 +154,21 @@ def describe(report):
     report["device_name"] = torch.cuda.get_device_name()
 
 
+def answer_inductors_padding_benchmark(pads):
+    """Stand in for the benchmark that Inductor's pad_mm pass times on this process's GPU to decide whether padding a
+    matmul of odd size is faster (torch 2.11 and 2.15: pad_mm._should_pad; 2.8: pad_mm.should_pad_bench): answer
+    `pads` to every question. Returns the list of answers given, one a question."""
+    import torch._inductor.fx_passes.pad_mm as pad_mm
+    asked = []
+
+    def answer(*args, **kwargs):
+        asked.append(pads)
+        return pads
+
+    setattr(pad_mm, "_should_pad" if hasattr(pad_mm, "_should_pad") else "should_pad_bench", answer)
+    return asked
+
+
 def reduce_the_final_bucket(report):
     """A CPU worker's last collective, which tests/cpu_worker.run_two_ranks checks: rank r all-reduces a bucket of
     r + 1s. 3.0 on both ranks means that it met the other rank's bucket, not a stray collective of one rank."""
