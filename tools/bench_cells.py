@@ -13,17 +13,18 @@ C, ...), so versions of one cell are interleaved while each keeps its compiled c
 about the same memory, because DeepCompile sizes its prefetching from the free device memory it sees.
 """
 
+LLAMA_05B = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=8, vocab_size=128256)
+
 # name: transformers config class and sizes. Parameter counts are of the model as built (tools/bench prints them).
 MODELS = {
     # Issue 18's host-bound model: 435 small parameter tensors (48 layers x 9, embeddings, final norm, head).
     "many-tensor": ("LlamaConfig", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=48,
                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=32000)),
     # Llama-style, Llama 3's vocabulary (a large embedding): about 0.55B and 1.5B parameters.
-    "llama-0.5b": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                                       num_attention_heads=16, num_key_value_heads=8, vocab_size=128256)),
+    "llama-0.5b": ("LlamaConfig", LLAMA_05B),
     # The 0.55B Llama with GPT-2's vocabulary, 50257 rows: an output projection of odd size, which Inductor may pad.
-    "llama-0.5b-gpt2-vocab": ("LlamaConfig", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-                                                  num_attention_heads=16, num_key_value_heads=8, vocab_size=50257)),
+    "llama-0.5b-gpt2-vocab": ("LlamaConfig", dict(LLAMA_05B, vocab_size=50257)),
     "llama-1.5b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
     # Qwen2-MoE-style, 16 routed experts of which 2 a token and a shared expert in every layer, Llama 3's vocabulary:
