@@ -10,7 +10,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "bench")
 sys.path.insert(0, os.path.join(REPO, "tools"))
-from bench_cells import SETS, flops_per_token, parse_sets  # noqa: E402
+from bench_cells import SETS, SUBJECTS, flops_per_token, parse_sets  # noqa: E402
 
 
 def bench(*args, timeout=600):
@@ -89,6 +89,17 @@ def test_only_keeps_the_named_subjects_of_each_group():
     assert (name, model) == ("default", SETS["default"][0])
     assert groups == [["dc-z1"], ["compile"]]
     assert parse_sets("default") == [("default", *SETS["default"])]
+
+
+@pytest.mark.parametrize("subject,bucket", [("dc-z3", None), ("dc-z3-pad", None), ("dc-z3-rb1e8", 10**8),
+                                            ("dc-z3-rbauto", 2048 * 2048)])
+def test_a_reduce_bucket_subject_sets_the_bucket_it_names(subject, bucket):
+    from bench_step import ds_config, reduce_bucket_size
+    assert subject in SUBJECTS
+    size = reduce_bucket_size(subject, 2048)
+    assert size == bucket
+    zero = ds_config(3, True, False, 1, reduce_bucket=size)["zero_optimization"]
+    assert zero.get("reduce_bucket_size") == bucket
 
 
 @pytest.mark.parametrize("args,message", [

@@ -2,7 +2,9 @@
 
 A subject is how a training step is run: plain PyTorch (`torch`), `torch.compile` of the model (`compile`), eager
 DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`; `dc-zN-bf16` without fp32
-master weights; `dc-z3-pad` with Inductor's `force_shape_pad`, padding every matmul of odd size without a benchmark),
+master weights; `dc-z3-pad` with Inductor's `force_shape_pad`, padding every matmul of odd size without a benchmark;
+`dc-z3-rbauto` and `dc-z3-rb1e8` with a reduce bucket of what the Hugging Face Trainer fills in for "auto", hidden
+size squared, or of 10**8 elements, where DeepSpeed's default is 5e8),
 or FSDP2 with a `torch.compile` per block (`fsdp2`). Every subject trains the same model from the same
 seed with AdamW (torch's fused implementation: the optimizer a PyTorch user would pick; DeepSpeed gets it as the client
 optimizer) on bf16: DeepSpeed and FSDP2 keep fp32 master weights, gradients and optimizer states (`dc-zN-bf16`: bf16
@@ -43,7 +45,7 @@ MODELS = {
 }
 
 SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2", "dc-z3", "dc-z1-bf16",
-            "dc-z3-bf16", "dc-z3-pad", "fsdp2")
+            "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "fsdp2")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 
@@ -71,6 +73,10 @@ SETS = {
     # What fork.34's deepcompile-z3-ranks-agree-on-matmul-padding costs where it acts, with --gpus 2: the output
     # projection unpadded (the patch) against padded on every rank (force_shape_pad), side by side.
     "odd-vocab": ("llama-0.5b-gpt2-vocab", 2048, 1, [["dc-z3", "dc-z3-pad"]]),
+    # Issue 15: DeepCompile ZeRO-3's reduce-scatter buckets at the MFU target's cell, DeepSpeed's default size
+    # beside the Trainer's "auto" (hidden size squared: 4.2M elements here, smaller than most gradients) and 10**8.
+    "reduce-buckets": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-rbauto"]]),
+    "reduce-buckets-1e8": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-rb1e8"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
 }
 

@@ -243,8 +243,20 @@ def inactive_expert_params(model):
     return routed * (experts - chosen) // experts
 
 
-def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False):
+def reduce_bucket_size(subject, hidden_size):
+    """zero_optimization.reduce_bucket_size of a subject, in elements: `-rbauto` what the Hugging Face Trainer
+    fills in for "auto" (hidden_size squared, as its DeepSpeed integration does), `-rb1e8` 10**8; None (DeepSpeed's
+    default, 5e8) for the others."""
+    tail = subject.rsplit("-", 1)[-1]
+    if not tail.startswith("rb"):
+        return None
+    return hidden_size * hidden_size if tail == "rbauto" else int(float(tail[2:]))
+
+
+def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False, reduce_bucket=None):
     zero = {"stage": stage}
+    if reduce_bucket is not None:
+        zero["reduce_bucket_size"] = reduce_bucket
     if stage in (1, 2):
         zero["overlap_comm"] = overlap_comm
     bf16 = {"enabled": True}
@@ -321,7 +333,8 @@ def make_step(subject, model, dev, batch):
         return step, None
     import deepspeed
     kind, stage = subject.split("-")[:2]
-    cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0], subject.endswith("-bf16"))
+    cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0], subject.endswith("-bf16"),
+                    reduce_bucket_size(subject, model.config.hidden_size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     if subject.endswith("-pad"):
