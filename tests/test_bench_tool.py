@@ -221,6 +221,24 @@ def test_the_table_says_what_selective_gather_kept(tmp_path, last, kept):
     assert f"| s | dc-z3 | x | {kept} | 190 (2.30 GiB) | 52.10 |" in table
 
 
+def test_two_sites_of_one_version_are_told_apart_in_the_table(tmp_path):
+    """Run Z13 measured fork.34 beside fork.34 with one header changed: both rows of bench.md said 0.19.8+fork.34, and
+    only the JSON told which was which. Where sites share a version, the table names the site."""
+    cli = _cli()
+    rows = [{"set": "s", "subject": "dc-z3", "site": site, "deepspeed": ver, "blocks": [{"step_s": [step]}],
+             "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 1.0,
+             "selective_gather": ["[Rank 0] selective_gather selected_count=1 selected_bytes=1024"]}
+            for site, ver, step in (("base", "1.0+f.1", 0.5), ("changed", "1.0+f.1", 0.4), ("old", "1.0", 0.6))]
+    data = {"device": "d", "gpus": 1, "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
+            "steps": 1, "warmup": 1, "rows": [cli.summarize(r, 100.0) for r in rows]}
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    table = (tmp_path / "bench.md").read_text()
+    assert "| s | dc-z3 | 1.0+f.1 (base) | 0.5000 " in table and "| s | dc-z3 | 1.0+f.1 (changed) | 0.4000 " in table
+    assert "| s | dc-z3 | 1.0 | 0.6000 " in table
+    assert "| s | dc-z3 | 1.0+f.1 (changed) | 1 " in table  # the selective_gather table too
+
+
 def test_a_profile_counts_each_collective_a_step_issues(tmp_path):
     """Run Z3's profile gave 0.19.8 39.7 ms more of communication kernels a step than fork.33, and the traces were
     not kept: which collectives, how many, was not known. A profile now counts them."""
