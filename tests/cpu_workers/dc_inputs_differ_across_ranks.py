@@ -23,7 +23,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
-from founding_common import run_worker  # noqa: E402
+from founding_common import reduce_the_final_bucket, run_worker  # noqa: E402
 
 LENGTHS = {"differ": (33, 34), "same": (33, 33), "extra": (33, 33), "many": (33, 33)}
 # Three forwards a rank: the same length on both ranks first, then rank 1's changes, then rank 0's.
@@ -93,7 +93,7 @@ def main(report):
         engine_forward(**batch(train_length)).backward()
         with torch.no_grad():
             model(**batch(eval_length))  # the Trainer's evaluation calls the model itself
-        return end_with_a_bucket(report)
+        return reduce_the_final_bucket(report)
     net = torch.compile(Net(), backend=record)
     if args.lengths == "equal-then-differ":
         agreed = None if args.unrecorded else set()
@@ -104,7 +104,7 @@ def main(report):
             report["marked"].append(mark_dims_that_differ_across_ranks_dynamic(((), kwargs), agreed=agreed))
             net(**kwargs)
             report.setdefault("graphs_after", []).append(len(graphs))
-        return end_with_a_bucket(report)
+        return reduce_the_final_bucket(report)
     length = LENGTHS[args.lengths][rank]
     ids = torch.randint(0, 16, (2, length))
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -114,17 +114,7 @@ def main(report):
         kwargs["extra"] = [torch.zeros(3) for _ in range(MANY)]
     report["marked"] = mark_dims_that_differ_across_ranks_dynamic(((), kwargs))
     net(**kwargs)
-    end_with_a_bucket(report)
-
-
-def end_with_a_bucket(report):
-    """Both ranks all-reduce a bucket (1s on rank 0, 2s on rank 1): a collective of the marking that one rank skipped
-    would pair with it, and the value read back would not be 3."""
-    import torch
-    import deepspeed.comm as dist
-    bucket = torch.full((1024, ), float(report["rank"] + 1))
-    dist.all_reduce(bucket)
-    report["reduced"] = bucket[0].item()
+    reduce_the_final_bucket(report)
 
 
 if __name__ == "__main__":
