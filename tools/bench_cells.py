@@ -1,6 +1,7 @@
 """What tools/bench measures: the models, the subjects and the named cell sets.
 
-A subject is how a training step is run: plain PyTorch (`torch`), `torch.compile` of the model (`compile`), eager
+A subject is how a training step is run: plain PyTorch (`torch`), `torch.compile` of the model (`compile`; `compile-amp`
+with fp32 weights and optimizer states and bf16 autocast, the precision of DeepSpeed's bf16), eager
 DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`; `dc-zN-bf16` without fp32
 master weights; `dc-z3-pad` with Inductor's `force_shape_pad`, padding every matmul of odd size without a benchmark;
 `dc-z3-rbauto` and `dc-z3-rb1e8` with a reduce bucket of what the Hugging Face Trainer fills in for "auto", hidden
@@ -15,6 +16,8 @@ C, ...), so versions of one cell are interleaved while each keeps its compiled c
 about the same memory, because DeepCompile sizes its prefetching from the free device memory it sees.
 """
 
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256)
 LLAMA_05B = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
                  num_key_value_heads=8, vocab_size=128256)
 
@@ -29,6 +32,9 @@ MODELS = {
     "llama-0.5b-gpt2-vocab": ("LlamaConfig", dict(LLAMA_05B, vocab_size=50257)),
     "llama-1.5b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+    # Llama-3-8B-shaped (8.0B parameters), and its width at 8 and 16 layers (2.8B, 4.5B): warm-up against depth.
+    "llama-8b": ("LlamaConfig", LLAMA_8B),
+    **{f"llama-8b-{n}l": ("LlamaConfig", dict(LLAMA_8B, num_hidden_layers=n)) for n in (8, 16)},
     # Qwen2-MoE-style, 16 routed experts of which 2 a token and a shared expert in every layer, Llama 3's vocabulary:
     # about 0.77B parameters, 0.27B of them computed per token (the input embedding and 14 of 16 experts not).
     "qwen2-moe": ("Qwen2MoeConfig", dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
@@ -44,7 +50,7 @@ MODELS = {
                                         vocab_size=128)),
 }
 
-SUBJECTS = ("torch", "compile", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2", "dc-z3", "dc-z1-bf16",
+SUBJECTS = ("torch", "compile", "compile-amp", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2", "dc-z3", "dc-z1-bf16",
             "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "fsdp2")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
@@ -77,7 +83,17 @@ SETS = {
     # beside the Trainer's "auto" (hidden size squared: 4.2M elements here, smaller than most gradients) and 10**8.
     "reduce-buckets": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-rbauto"]]),
     "reduce-buckets-1e8": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-rb1e8"]]),
+    # Warm-up against depth at the 8B model's width, seq 4096, with --gpus 4: DeepCompile ZeRO-3 and FSDP2 + compile,
+    # each alone on the GPUs (processes sharing them slow each other's compiles); then the sizes people train.
+    **{f"warmup-8b-{n}l": (f"llama-8b-{n}l", 4096, 1, [["dc-z3"], ["fsdp2"]]) for n in (8, 16)},
+    "warmup-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"]]),
+    "size-0.5b": ("llama-0.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
+    "size-1.5b": ("llama-1.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
+    "size-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
+    # At one GPU: DeepCompile ZeRO-1 against torch.compile at DeepSpeed's precision and at pure bf16.
+    "one-gpu-0.5b": ("llama-0.5b", 2048, 1, [["dc-z1"], ["compile-amp"], ["compile"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
+    "tiny-compile": ("tiny", 32, 2, [["compile", "compile-amp"]]),
 }
 
 

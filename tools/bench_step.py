@@ -23,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cells import MODELS, flops_per_token  # noqa: E402
+import warmup_phases  # noqa: E402
 
 POLL_S = 0.002
 
@@ -218,13 +219,16 @@ def device_time_split(kernels):
     return {"device_busy": busy, "exposed_communication": busy - computing}
 
 
-def build_model(name):
+def build_model(name, dev=None):
+    """The model, in fp32, its weights initialized on `dev` (an 8B model's initialization takes minutes on a host's
+    CPU, seconds on a GPU); its parameter count, the count a token does not compute with, (layers, hidden size)."""
     import torch
     import transformers
     cls, sizes = MODELS[name]
     config = getattr(transformers, cls)(**sizes, max_position_embeddings=8192)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.device(dev or "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     n_all = sum(p.numel() for p in model.parameters())
     n_embed = model.get_input_embeddings().weight.numel()
     shape = (config.num_hidden_layers, config.hidden_size)
@@ -301,13 +305,17 @@ def make_step(subject, model, dev, batch):
     import torch
     fused = dict(fused=True) if dev.type == "cuda" else {}
     ids = batch
-    if subject in ("torch", "compile"):
-        model = model.to(dev, torch.bfloat16)
+    if subject in ("torch", "compile", "compile-amp"):
+        # compile-amp: what DeepSpeed's bf16 keeps, fp32 weights and optimizer states, with bf16 compute (autocast).
+        amp = subject == "compile-amp"
+        model = model.to(dev) if amp else model.to(dev, torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
-        fwd = torch.compile(model) if subject == "compile" else model
+        fwd = torch.compile(model) if subject.startswith("compile") else model
 
         def step():
-            fwd(input_ids=ids, labels=ids).loss.backward()
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                loss = fwd(input_ids=ids, labels=ids).loss
+            loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -375,11 +383,16 @@ def main():
                                     "host_cpu": host_cpu()})
             return
         import transformers
-        model, n_all, n_not_computed, (layers, hidden) = build_model(args.model)
+        model, n_all, n_not_computed, (layers, hidden) = build_model(args.model, dev)
         torch.manual_seed(1)
         ids = torch.randint(3, model.config.vocab_size, (args.batch, args.seq), device=dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        # Where the warm-up's time goes; rank 0 keeps ID.phases current, so a warm-up cut by its deadline says
+        # how far it got.
+        clock = warmup_phases.PhaseClock(on_update=(lambda steps: write(base + ".phases", steps)) if rank == 0
+                                         else None)
+        missing = warmup_phases.install(clock, deepspeed=args.subject.startswith(("ds-", "dc-")))
         step, _ = make_step(args.subject, model, dev, ids)
         warmup, plan = args.warmup, None
         if args.subject.startswith("dc-z3"):
@@ -388,12 +401,13 @@ def main():
             warmup = max(warmup, WARMUP + 2)
             plan = SelectiveGatherLog()
         t0 = time.perf_counter()
-        step()
-        sync(dev)
-        first = time.perf_counter() - t0
-        for _ in range(warmup - 1):
+        for k in range(warmup):
+            clock.begin(k)
             step()
-        sync(dev)
+            sync(dev)
+            clock.end()
+            if k == 0:
+                first = time.perf_counter() - t0
         warm = time.perf_counter() - t0
         gathered = plan.finish() if plan is not None else None
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -415,6 +429,9 @@ def main():
             info["peak_reserved"] = torch.cuda.max_memory_reserved(dev)
         if gathered is not None:
             info["selective_gather"] = gathered
+        info["warmup_phases"] = clock.steps
+        if missing:
+            info["warmup_phase_targets_missing"] = missing
         if rank == 0:
             write(base + ".ready", info)
         k, profiled = 0, False

@@ -1,0 +1,136 @@
+"""Where the time of a warm-up goes, per warm-up step: Dynamo, AOTAutograd, Inductor, DeepCompile's profiling and its
+passes, ranks waiting for each other to compile, and the rest (running the steps).
+
+install() wraps the functions each phase runs in (TARGETS). A wrapped call's time counts for its phase less the time
+of the phases called inside it: a Dynamo compile's backend call counts for AOTAutograd and Inductor, a DeepCompile
+pass's profiling run for profiling. `other` is the rest of a step's wall time. A target this torch or deepspeed lacks
+is named in `missing` rather than failing the run. One clock per process; the phases of a backward compiled lazily on
+autograd's device thread count too (the thread that started backward() is waiting then).
+"""
+
+import functools
+import importlib
+import threading
+import time
+
+# (phase, module, attribute path): each callable whose time (less its nested phases') counts for the phase.
+TARGETS = (
+    ("dynamo", "torch._dynamo.convert_frame", "_compile"),
+    # Joint tracing, partitioning and the compilers' glue; the forward's compiler is called inside it, the
+    # backward's at the first backward.
+    ("aot", "torch._dynamo.backends.common", "AotAutograd.__call__"),
+    ("inductor", "torch._inductor.compile_fx", "_compile_fx_inner"),
+    ("dc_passes", "deepspeed.compile.backend", "run_opt_passes"),
+    ("dc_profiling", "deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run"),
+    ("dc_profiling", "deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run"),
+    ("rank_wait", "deepspeed.compile.backend", "wait_for_every_rank_to_compile"),
+)
+PHASES = tuple(dict.fromkeys(phase for phase, _, _ in TARGETS)) + ("other", )
+
+
+class PhaseClock:
+    """Exclusive time per phase and calls per phase, for each step between begin(k) and end()."""
+
+    def __init__(self, on_update=None, update_every_s=5.0):
+        self.steps = []
+        self._lock = threading.Lock()
+        self._stack = []
+        self._slice_start = None
+        self._step = None
+        self._on_update, self._every, self._last_update = on_update, update_every_s, time.monotonic()
+
+    def begin(self, step):
+        self._step = {"step": step, "wall_s": 0.0, "phases": {}, "calls": {}, "_start": time.perf_counter()}
+        self.steps.append(self._step)
+
+    def end(self):
+        step = self._step
+        step["wall_s"] = time.perf_counter() - step.pop("_start")
+        step["phases"]["other"] = max(0.0, step["wall_s"] - sum(step["phases"].values()))
+        self._step = None
+        self._update(force=True)
+
+    def _charge(self, phase, seconds):
+        if self._step is not None:
+            self._step["phases"][phase] = self._step["phases"].get(phase, 0.0) + seconds
+
+    def enter(self, phase):
+        with self._lock:
+            now = time.perf_counter()
+            if self._stack:
+                self._charge(self._stack[-1], now - self._slice_start)
+            self._stack.append(phase)
+            self._slice_start = now
+            if self._step is not None:
+                self._step["calls"][phase] = self._step["calls"].get(phase, 0) + 1
+
+    def exit(self):
+        with self._lock:
+            now = time.perf_counter()
+            self._charge(self._stack.pop(), now - self._slice_start)
+            self._slice_start = now
+        self._update()
+
+    def _update(self, force=False):
+        """Hand the steps so far to on_update at most every update_every_s (a warm-up cut by its deadline keeps
+        what it measured until then)."""
+        if self._on_update is None or (not force and time.monotonic() - self._last_update < self._every):
+            return
+        self._last_update = time.monotonic()
+        self._on_update(self.snapshot())
+
+    def snapshot(self):
+        """The steps measured, the one under way included (its wall time so far)."""
+        out = []
+        for s in self.steps:
+            s = dict(s, phases=dict(s["phases"]), calls=dict(s["calls"]))
+            if "_start" in s:
+                s["wall_s"] = time.perf_counter() - s.pop("_start")
+                s["phases"]["other"] = max(0.0, s["wall_s"] - sum(s["phases"].values()))
+                s["unfinished"] = True
+            out.append(s)
+        return out
+
+    def timed(self, phase, fn):
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            self.enter(phase)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.exit()
+
+        wrapper.__warmup_phase__ = phase
+        return wrapper
+
+
+def install(clock, targets=TARGETS, deepspeed=True):
+    """Wrap every target importable here with the clock; return the targets that are not (module.attribute)."""
+    missing = []
+    for phase, module, path in targets:
+        if module.startswith("deepspeed") and not deepspeed:
+            continue
+        try:
+            owner = importlib.import_module(module)
+            *parents, name = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            fn = getattr(owner, name)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+            continue
+        if getattr(fn, "__warmup_phase__", None) is None:
+            setattr(owner, name, clock.timed(phase, fn))
+    return missing
+
+
+def totals(steps):
+    """The phases' seconds over all steps, the wall time, and the compile time of the steps after the first (a
+    recompile: DeepCompile ZeRO-3 compiles every graph again at its WARMUP step)."""
+    phases = {}
+    for s in steps:
+        for k, v in s["phases"].items():
+            phases[k] = phases.get(k, 0.0) + v
+    later = sum(v for s in steps[1:] for k, v in s["phases"].items() if k != "other")
+    return {"wall_s": sum(s["wall_s"] for s in steps), "phases": phases, "compile_after_first_step_s": later}
