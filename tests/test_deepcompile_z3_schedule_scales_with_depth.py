@@ -1,0 +1,91 @@
+"""DeepCompile ZeRO-3's scheduler (fast_free_schedule) must not grow with the cube of a model's depth.
+
+The scheduler weighs every gather still to place at every step, and asked, for each, which nodes it needs: each
+question made a set of everything scheduled so far (and a copy of that list plus the candidate's path). At the 8B
+model's width on 4xH200 the passes of the first step took 3.6 s at 8 layers, 7.5 s at 16 and 42.5 s at 32 (run of
+docs/bench.md, "Warm-up against depth"), the largest share of a 120 s first step. Here, on the CPU, the work is
+counted as the hashes of graph nodes one schedule of a Llama forward graph takes, with DeepCompile's own gather and
+release insertion: 0.19.8 hashed 1.25M times at 4 layers and 54.2M at 16 (43x for 4x the depth); with the patch,
+0.13M and 1.67M (12.7x). The schedule itself is unchanged (checked here: a valid order of every node, gathers and
+releases included, each after what it depends on; the patch was checked against 0.19.8's order node for node on
+4 to 32 layers, with and without a memory budget).
+
+The graphs come from transformers' Llama at a small width (the node count does not depend on the width), traced by
+Dynamo and AOTAutograd on the CPU; DeepCompile's ops are defined from the wheel's schemas (no compiled extension)."""
+
+from test_deepcompile_prefetch_survives_dead_code_elimination import run
+
+SCHEDULE_WORK = """
+    import transformers
+    import deepspeed.compile.util as dc_util
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    # Only the list of aliasing ops is asked of the compiled extension here, for no value of its.
+    dc_util.get_deepcompile_handle = lambda: None
+    from deepspeed.compile.graph_param import DSGraphParamManager
+    from deepspeed.compile.list_schedule import fast_free_schedule
+    from deepspeed.compile.passes.zero3_compile import add_gather_and_release
+    from deepspeed.compile.util import get_param_nodes, is_release_node
+
+    def forward_graph(layers):
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        got = {}
+
+        def backend(gm, inputs):
+            def keep(g, _):
+                got.setdefault("fw", g)
+                return make_boxed_func(g.forward)
+            got["inputs"] = inputs
+            return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep,
+                                         partition_fn=min_cut_rematerialization_partition)
+
+        torch._dynamo.reset()
+        ids = torch.randint(0, 256, (1, 32))
+        torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
+        params = [(i, 100 + i, v.shape) for i, v in enumerate(got["inputs"]) if isinstance(v, torch.nn.Parameter)]
+        graph = got["fw"].graph
+        manager = DSGraphParamManager(graph, got["inputs"], params)
+        graph = add_gather_and_release(0, graph, manager, get_param_nodes(graph, params))
+        for n in graph.nodes:  # what the profiler leaves on every node
+            n.meta["device_time"], n.meta["tensor_size"] = 0.1 * (len(n.name) % 7), 4096 * (1 + len(n.name) % 5)
+        return graph
+
+    def schedule_counting_hashes(graph):
+        hashes = [0]
+        node_hash = torch.fx.Node.__hash__
+
+        def counted(node):
+            hashes[0] += 1
+            return node_hash(node)
+
+        torch.fx.Node.__hash__ = counted
+        try:
+            scheduled = fast_free_schedule(graph, 10**12, 0, False)
+        finally:
+            torch.fx.Node.__hash__ = node_hash
+        return scheduled, hashes[0]
+
+    work = {}
+    for layers in (4, 16):
+        graph = forward_graph(layers)
+        names = [n.name for n in graph.nodes]
+        scheduled, work[layers] = schedule_counting_hashes(graph)
+        order = {n.name: i for i, n in enumerate(scheduled.nodes)}
+        assert sorted(order) == sorted(names), "the schedule lost or added nodes"
+        for n in scheduled.nodes:
+            assert all(order[a.name] < order[n.name] for a in n.all_input_nodes), f"{n.name} before its inputs"
+        assert any(is_release_node(n) for n in scheduled.nodes), "no release: the pass inserted nothing"
+    print("hashes of graph nodes a schedule took:", work)
+    assert work[16] <= 16 * work[4], (
+        f"scheduling a 16-layer graph took {work[16] / work[4]:.1f}x the work of a 4-layer one (hashes of graph "
+        f"nodes: {work}); more than the square of the depth's ratio, 16x")
+"""
+
+
+def test_scheduling_work_grows_no_faster_than_the_square_of_the_depth():
+    run(SCHEDULE_WORK)
