@@ -372,6 +372,17 @@ def test_a_site_installed_from_upstreams_wheel_gets_plain_architectures(tmp_path
         tool.parse_site(f"v={tmp_path / 'missing'}", str(tmp_path / "out"))
 
 
+@pytest.mark.parametrize("versions, named", [(["0.19.8+fork.34"], "0.19.8+fork.34"), ([], None),
+                                             (["0.19.8", "0.19.8+fork.35"], None)])
+def test_a_run_record_names_what_each_site_held(tmp_path, versions, named):
+    """An 8B warm-up cut by its deadline never reported its deepspeed version, and its record could not say which
+    release it measured; the driver reads it from the site's dist-info, without importing it."""
+    import pinned_upstream
+    for v in versions:
+        (tmp_path / f"deepspeed-{v}.dist-info").mkdir()
+    assert pinned_upstream.installed_version(str(tmp_path)) == named
+
+
 def test_exposed_communication_is_the_time_no_computation_hides():
     import bench_step
     kernels = [(0, 10, "matmul"), (20, 30, "attention"), (5, 25, "communication"), (40, 45, "communication"),

@@ -18,6 +18,8 @@ about the same memory, because DeepCompile sizes its prefetching from the free d
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256)
+LLAMA_15B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
 LLAMA_05B = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
                  num_key_value_heads=8, vocab_size=128256)
 
@@ -30,11 +32,13 @@ MODELS = {
     "llama-0.5b": ("LlamaConfig", LLAMA_05B),
     # The 0.55B Llama with GPT-2's vocabulary, 50257 rows: an output projection of odd size, which Inductor may pad.
     "llama-0.5b-gpt2-vocab": ("LlamaConfig", dict(LLAMA_05B, vocab_size=50257)),
-    "llama-1.5b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+    "llama-1.5b": ("LlamaConfig", LLAMA_15B),
     # Llama-3-8B-shaped (8.0B parameters), and its width at 8 and 16 layers (2.8B, 4.5B): warm-up against depth.
     "llama-8b": ("LlamaConfig", LLAMA_8B),
     **{f"llama-8b-{n}l": ("LlamaConfig", dict(LLAMA_8B, num_hidden_layers=n)) for n in (8, 16)},
+    # The 8B model's depth at the 1.5B model's width (2.1B parameters): DeepCompile's passes cost what the graph's
+    # node count costs, which the depth decides; two of these warm up side by side on one H200.
+    "llama-1.5b-32l": ("LlamaConfig", dict(LLAMA_15B, num_hidden_layers=32)),
     # Qwen2-MoE-style, 16 routed experts of which 2 a token and a shared expert in every layer, Llama 3's vocabulary:
     # about 0.77B parameters, 0.27B of them computed per token (the input embedding and 14 of 16 experts not).
     "qwen2-moe": ("Qwen2MoeConfig", dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
@@ -87,6 +91,7 @@ SETS = {
     # each alone on the GPUs (processes sharing them slow each other's compiles); then the sizes people train.
     **{f"warmup-8b-{n}l": (f"llama-8b-{n}l", 4096, 1, [["dc-z3"], ["fsdp2"]]) for n in (8, 16)},
     "warmup-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"]]),
+    "warmup-1.5b-32l": ("llama-1.5b-32l", 4096, 1, [["dc-z3"], ["fsdp2"]]),
     "size-0.5b": ("llama-0.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
     "size-1.5b": ("llama-1.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
     "size-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),

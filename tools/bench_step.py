@@ -379,8 +379,11 @@ def main():
         import torch
         dev = device()
         if args.peak:
+            import transformers
             write(base + ".ready", {"peak_tflops": matmul_peak(dev), "host_ops_per_s": host_ops_rate(dev),
-                                    "host_cpu": host_cpu()})
+                                    "host_cpu": host_cpu(), "torch": torch.__version__,
+                                    "transformers": transformers.__version__,
+                                    "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})
             return
         import transformers
         model, n_all, n_not_computed, (layers, hidden) = build_model(args.model, dev)

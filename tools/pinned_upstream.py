@@ -21,16 +21,28 @@ def site(out, label):
     return target
 
 
+def installed_versions(target):
+    """The versions of the deepspeed dist-infos `pip install --target TARGET` put there."""
+    try:
+        names = os.listdir(target)
+    except OSError:
+        return []
+    return [n[len("deepspeed-"):-len(".dist-info")] for n in names
+            if n.startswith("deepspeed-") and n.endswith(".dist-info")]
+
+
+def installed_version(target):
+    """The version of the deepspeed installed in TARGET (None: none or several), without importing it: a record of a
+    run whose processes never reported it (cut short before ready) still names what it measured."""
+    versions = installed_versions(target)
+    return versions[0] if len(versions) == 1 else None
+
+
 def holds_upstream_release(target):
     """Whether the deepspeed that `pip install --target TARGET` put there is an upstream release (its dist-info
     version has no +fork), such as a wheel of 0.19.8 carried to a host without internet: its op builder needs
     plain_arch_list as much as a pinned site's does."""
-    try:
-        names = os.listdir(target)
-    except OSError:
-        return False
-    versions = [n[len("deepspeed-"):-len(".dist-info")] for n in names
-                if n.startswith("deepspeed-") and n.endswith(".dist-info")]
+    versions = installed_versions(target)
     return bool(versions) and all("+fork" not in v for v in versions)
 
 
