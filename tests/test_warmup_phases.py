@@ -132,16 +132,19 @@ def test_the_table_splits_each_warm_up_and_marks_one_cut_short(tmp_path):
     from test_bench_tool import _cli
     cli = _cli()
     steps = [{"step": 0, "wall_s": 100.0, "phases": {"dynamo": 20.0, "aot": 30.0, "inductor": 40.0, "other": 10.0}},
-             {"step": 1, "wall_s": 50.0, "phases": {"dc_profiling": 45.0, "other": 5.0}}]
+             {"step": 1, "wall_s": 50.0, "phases": {"dc_profiling": 40.0, "dc_memory_profiling": 5.0, "other": 5.0}}]
     rows = [{"set": "warmup-8b", "subject": "dc-z3", "site": "fork", "deepspeed": "x", "layers": 32,
              "warmup_phases": steps, "error": "no ready within 535 s"},
             {"set": "warmup-8b", "subject": "fsdp2", "site": "-", "layers": 32, "blocks": [{"step_s": [1.0]}],
-             "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 20.0, "warmup_phases": steps[:1]}]
+             "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 20.0, "warmup_phases": steps[:1],
+             "compile_cache_counters": {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 16,
+                                        "autograd_cache_bypass": 8}}]
     data = {"device": "d", "gpus": [4], "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
             "steps": 1, "warmup": 1, "rows": [cli.summarize(r, 100.0) for r in rows]}
     (tmp_path / "bench.json").write_text(json.dumps(data))
     cli.render(str(tmp_path))
     table = (tmp_path / "bench.md").read_text()
-    assert ("| warmup-8b | dc-z3 | x | 32 | 150.0 (cut short) | 100.0 | 20.0 | 30.0 | 40.0 | 45.0 | 0.0 | 0.0 | "
-            "15.0 | 45.0 |") in table
-    assert "| warmup-8b | fsdp2 | - | 32 | 100.0 | 100.0 | 20.0 | 30.0 | 40.0 | 0.0 | 0.0 | 0.0 | 10.0 | 0.0 |" in table
+    assert ("| warmup-8b | dc-z3 | x | 32 | 150.0 (cut short) | 100.0 | 20.0 | 30.0 | 40.0 | 40.0 | 5.0 | 0.0 | 0.0 | "
+            "15.0 | 45.0 | - |") in table
+    assert ("| warmup-8b | fsdp2 | - | 32 | 100.0 | 100.0 | 20.0 | 30.0 | 40.0 | 0.0 | 0.0 | 0.0 | 0.0 | 10.0 | 0.0 | "
+            "FX 16 miss, AOT 8 bypass |") in table

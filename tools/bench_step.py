@@ -433,6 +433,7 @@ def main():
         if gathered is not None:
             info["selective_gather"] = gathered
         info["warmup_phases"] = clock.steps
+        info["compile_cache_counters"] = warmup_phases.cache_counters()
         if missing:
             info["warmup_phase_targets_missing"] = missing
         if rank == 0:

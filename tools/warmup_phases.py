@@ -1,5 +1,5 @@
-"""Where the time of a warm-up goes, per warm-up step: Dynamo, AOTAutograd, Inductor, DeepCompile's profiling and its
-passes, ranks waiting for each other to compile, and the rest (running the steps).
+"""Where the time of a warm-up goes, per warm-up step: Dynamo, AOTAutograd, Inductor, DeepCompile's profiling (of
+time, and of memory) and its passes, ranks waiting for each other to compile, and the rest (running the steps).
 
 install() wraps the functions each phase runs in (TARGETS). A wrapped call's time counts for its phase less the time
 of the phases called inside it: a Dynamo compile's backend call counts for AOTAutograd and Inductor, a DeepCompile
@@ -21,8 +21,9 @@ TARGETS = (
     ("aot", "torch._dynamo.backends.common", "AotAutograd.__call__"),
     ("inductor", "torch._inductor.compile_fx", "_compile_fx_inner"),
     ("dc_passes", "deepspeed.compile.backend", "run_opt_passes"),
+    # Each node run and timed on its own (before a pass's scheduling), and each node's memory (after each pass).
     ("dc_profiling", "deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run"),
-    ("dc_profiling", "deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run"),
+    ("dc_memory_profiling", "deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run"),
     ("rank_wait", "deepspeed.compile.backend", "wait_for_every_rank_to_compile"),
 )
 PHASES = tuple(dict.fromkeys(phase for phase, _, _ in TARGETS)) + ("other", )
@@ -123,6 +124,17 @@ def install(clock, targets=TARGETS, deepspeed=True):
         if getattr(fn, "__warmup_phase__", None) is None:
             setattr(owner, name, clock.timed(phase, fn))
     return missing
+
+
+def cache_counters():
+    """What Inductor's FX graph cache and AOTAutograd's cache answered in this process (hits, misses, bypasses): a
+    restarted job is warm only where they hit."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items()
+            if k.startswith(("fxgraph_cache", "autograd_cache"))}
 
 
 def totals(steps):
