@@ -1,0 +1,66 @@
+"""DeepCompile's graph ids must be the same when the same job starts again.
+
+A graph's id goes into the graph DeepCompile hands to Inductor, as an argument of its ops (allgather_param, release_param,
+reduce_grad). 0.19.8 took it from id(gm.graph), a memory address, so each process compiled a graph that no other
+process had, and Inductor's FX graph cache, keyed on the graph, never served a job restarted with the same model and
+config: it compiled everything again (at 32 layers of the 1.5B width, 44 s of Inductor in the warm-up, docs/warmup.md).
+
+Two processes here compile the same model through DeepCompile's backend (make_backend, world size 1 on gloo, the
+compiled extension stood in for: only its reset is called), each with another amount of memory allocated first, and
+report the ids their graphs got: equal in both, and distinct within each."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
+
+COMPILE = """
+    import sys
+    padding = [bytearray({padding}) for _ in range(100)]  # another heap in each process
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+    deepspeed.init_distributed(dist_backend="gloo")
+    import deepspeed.compile.backend as backend
+    from deepspeed.compile.config import CompileConfig
+
+    class Handle:
+        def reset(self):
+            pass
+
+    backend.get_deepcompile_handle = lambda: Handle()
+    backend.init_schedule([(0, [])])
+    backend.launch_compile_passes(0)
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)),
+                             backend=backend.make_backend("eager", CompileConfig()), dynamic=False)
+    for rows in (4, 6):  # two shapes, two graphs
+        compiled(torch.randn(rows, 8)).sum().backward()
+    print("GRAPH_IDS", list(backend.profiling_results))
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def graph_ids(padding):
+    script = textwrap.dedent(DEFINE_OPS) + textwrap.dedent(COMPILE.format(padding=padding, port=free_port()))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = re.search(r"^GRAPH_IDS (\[.*\])$", proc.stdout, re.M)
+    assert m, proc.stdout[-3000:]
+    return eval(m.group(1))
+
+
+def test_a_job_started_again_gives_its_graphs_the_same_ids():
+    pytest.importorskip("deepspeed")
+    first, again = graph_ids(10), graph_ids(1_000_000)
+    assert len(first) == 2 and len(set(first)) == 2, first
+    assert first == again, f"graph ids {first} in one process, {again} in the same job started again"
