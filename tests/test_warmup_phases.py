@@ -90,12 +90,7 @@ def test_every_target_exists_in_this_torch_and_deepspeed():
     clock = warmup_phases.PhaseClock()
     wrapped = []
     for phase, module, path in warmup_phases.TARGETS:
-        import importlib
-        owner = importlib.import_module(module)
-        *parents, name = path.split(".")
-        for p in parents:
-            owner = getattr(owner, p)
-        wrapped.append((owner, name, getattr(owner, name)))
+        wrapped.append(warmup_phases.resolve(module, path))
     try:
         assert warmup_phases.install(clock) == []
         assert all(getattr(getattr(o, n), "__warmup_phase__", None) for o, n, _ in wrapped)

@@ -106,6 +106,16 @@ class PhaseClock:
         return wrapper
 
 
+def resolve(module, path):
+    """(owner, name, value) of `path` in `module`, a dotted path such as a class's method: setattr(owner, name, ...)
+    replaces it for every caller that looks it up at call time. ImportError or AttributeError where it is missing."""
+    owner = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for p in parents:
+        owner = getattr(owner, p)
+    return owner, name, getattr(owner, name)
+
+
 def install(clock, targets=TARGETS, deepspeed=True):
     """Wrap every target importable here with the clock; return the targets that are not (module.attribute)."""
     missing = []
@@ -113,11 +123,7 @@ def install(clock, targets=TARGETS, deepspeed=True):
         if module.startswith("deepspeed") and not deepspeed:
             continue
         try:
-            owner = importlib.import_module(module)
-            *parents, name = path.split(".")
-            for p in parents:
-                owner = getattr(owner, p)
-            fn = getattr(owner, name)
+            owner, name, fn = resolve(module, path)
         except (ImportError, AttributeError):
             missing.append(f"{module}.{path}")
             continue

@@ -11,8 +11,12 @@ named under "missing".
 """
 
 import functools
-import importlib
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools"))
+from warmup_phases import resolve  # noqa: E402
 
 # phase name: (module, attribute path of the callable). Each is looked up by its callers at call time, so replacing
 # the attribute reaches every call.
@@ -67,11 +71,7 @@ def install(entry_points=ENTRY_POINTS):
     phases = Phases()
     for name, (module_name, path) in entry_points.items():
         try:
-            owner = importlib.import_module(module_name)
-            *outer, attr = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
-            original = getattr(owner, attr)
+            owner, attr, original = resolve(module_name, path)
         except (ImportError, AttributeError):
             phases.missing.append(name)
             continue
