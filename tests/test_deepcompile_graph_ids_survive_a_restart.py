@@ -1,9 +1,10 @@
 """DeepCompile's graph ids must be the same when the same job starts again.
 
-A graph's id goes into the graph DeepCompile hands to Inductor, as an argument of its ops (allgather_param, release_param,
-reduce_grad). 0.19.8 took it from id(gm.graph), a memory address, so each process compiled a graph that no other
-process had, and Inductor's FX graph cache, keyed on the graph, never served a job restarted with the same model and
-config: it compiled everything again (at 32 layers of the 1.5B width, 44 s of Inductor in the warm-up, docs/warmup.md).
+A graph's id goes into the graph DeepCompile hands to Inductor, as an argument of its ops (allgather_param,
+release_param, reduce_grad). 0.19.8 took it from id(gm.graph), a memory address, so each process compiled a graph
+that no other process had, and Inductor's FX graph cache, keyed on the graph, never served a job restarted with the
+same model and config: it compiled everything again (at 32 layers of the 1.5B width, 44 s of Inductor in the warm-up,
+docs/warmup.md).
 
 Two processes here compile the same model through DeepCompile's backend (make_backend, world size 1 on gloo, the
 compiled extension stood in for: only its reset is called), each with another amount of memory allocated first, and

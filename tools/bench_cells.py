@@ -54,8 +54,8 @@ MODELS = {
                                         vocab_size=128)),
 }
 
-SUBJECTS = ("torch", "compile", "compile-amp", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2", "dc-z3", "dc-z1-bf16",
-            "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "fsdp2")
+SUBJECTS = ("torch", "compile", "compile-amp", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2",
+            "dc-z3", "dc-z1-bf16", "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "fsdp2")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 

@@ -6,7 +6,8 @@
                                                            rate of tiny ops, then exit
 
 Protocol (files in DIR, written by rank 0): ID.ready after the warm-up (JSON), then for each DIR/ID.go.K the driver
-writes, ID.res.K (JSON: the seconds of each step of the block, peak memory during it); for DIR/ID.profile (holding
+writes, ID.res.K (JSON: the seconds of each step of the block, peak memory during it); ID.phases during the warm-up
+(where its time went so far, tools/warmup_phases.py); for DIR/ID.profile (holding
 a trace path), ID.prof (profile_steps: where a profiled step's time goes); DIR/ID.stop ends the process.
 Started under torchrun for several GPUs (every rank polls the same files). Past --deadline seconds the process
 prints every thread's Python stack and exits (faulthandler), so a hang is a failure with its stacks, never a stall.
