@@ -2,8 +2,8 @@
 
 The scheduler weighs every gather still to place at every step, and asked, for each, which nodes it needs: each
 question made a set of everything scheduled so far (and a copy of that list plus the candidate's path). At the 8B
-model's width on 4xH200 the passes of the first step took 3.6 s at 8 layers, 7.5 s at 16 and 42.5 s at 32 (run of
-docs/bench.md, "Warm-up against depth"), the largest share of a 120 s first step. Here, on the CPU, the work is
+model's width on 4xH200 the passes of the first step took 3.6 s at 8 layers, 7.5 s at 16 and 42.5 s at 32
+(docs/warmup.md), the largest share of a 120 s first step. Here, on the CPU, the work is
 counted as the hashes of graph nodes one schedule of a Llama forward graph takes, with DeepCompile's own gather and
 release insertion: 0.19.8 hashed 1.25M times at 4 layers and 54.2M at 16 (43x for 4x the depth); with the patch,
 0.13M and 1.67M (12.7x). The schedule itself is unchanged (checked here: a valid order of every node, gathers and

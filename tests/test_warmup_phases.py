@@ -84,6 +84,10 @@ def test_a_warm_up_cut_short_keeps_what_it_measured(clock, monkeypatch):
     assert step["unfinished"] and step["phases"]["dc_profiling"] == 30.0 and step["wall_s"] == 30.0
 
 
+def test_every_phase_a_target_counts_for_has_a_column():
+    assert {phase for phase, _, _ in warmup_phases.TARGETS} | {"other"} == set(warmup_phases.NAMES)
+
+
 def test_every_target_exists_in_this_torch_and_deepspeed():
     """A target renamed by a torch release would silently count for `other`: the installed torch has all of them."""
     pytest.importorskip("deepspeed")

@@ -98,7 +98,6 @@ SETS = {
     # At one GPU: DeepCompile ZeRO-1 against torch.compile at DeepSpeed's precision and at pure bf16.
     "one-gpu-0.5b": ("llama-0.5b", 2048, 1, [["dc-z1"], ["compile-amp"], ["compile"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
-    "tiny-compile": ("tiny", 32, 2, [["compile", "compile-amp"]]),
 }
 
 

@@ -26,7 +26,10 @@ TARGETS = (
     ("dc_memory_profiling", "deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run"),
     ("rank_wait", "deepspeed.compile.backend", "wait_for_every_rank_to_compile"),
 )
-PHASES = tuple(dict.fromkeys(phase for phase, _, _ in TARGETS)) + ("other", )
+# Every phase and its name in tables, in the order tables show them.
+NAMES = {"dynamo": "Dynamo", "aot": "AOT", "inductor": "Inductor", "dc_profiling": "DC profiling",
+         "dc_memory_profiling": "DC memory profiling", "dc_passes": "DC passes", "rank_wait": "rank wait",
+         "other": "other"}
 
 
 class PhaseClock:
