@@ -40,3 +40,35 @@ def test_a_path_that_is_no_summary_is_a_clear_error(tmp_path):
         out = zoo_table(arg)
         assert out.returncode != 0 and out.stderr.startswith("zoo-table: ") and "Traceback" not in out.stderr, out
     assert zoo_table("--help").returncode == 0 and zoo_table().returncode == 2
+
+
+def test_a_labelled_column_says_which_release_ran_its_cells(tmp_path):
+    first = summary(tmp_path / "a.json", "0.19.8+fork.9", {
+        "cell/llama/1/deepcompile": {"ok": True, "seconds": 50.0},
+        "cell/llama/3/deepcompile": {"ok": True, "seconds": 90.0},
+        "trainer/3/deepcompile": {"ok": True, "seconds": 70.0},
+    })
+    second = summary(tmp_path / "b.json", "0.19.8+fork.10", {"cell/llama/3/deepcompile": {"ok": True, "seconds": 80.0}})
+    out = zoo_table(f"the fork, 2 ranks={first}:{second}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("| model | stage | the fork, 2 ranks DeepCompile | resumed |"), out.stdout
+    # the Trainer's cell is not a zoo cell; fork.10 replaced fork.9's ZeRO-3 cell
+    assert "by the release that ran them last: 0.19.8+fork.10 1, 0.19.8+fork.9 1" in out.stdout, out.stdout
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(REPO, "docs", "model-zoo.md")
+
+
+def test_the_pages_tables_are_generated_from_the_summaries_they_name():
+    import re
+    import shlex
+    with open(PAGE) as f:
+        page = f.read()
+    blocks = re.findall(r"<!-- zoo-table: (.*?) -->\n(.*?)<!-- /zoo-table -->", page, re.S)
+    assert len(blocks) >= 2, "docs/model-zoo.md has lost its zoo-table markers"
+    for columns, table in blocks:
+        out = subprocess.run([sys.executable, TOOL, *shlex.split(columns)], capture_output=True, text=True, timeout=60,
+                             cwd=REPO)
+        assert out.returncode == 0, out.stderr
+        assert table == out.stdout, f"docs/model-zoo.md's table for {columns[:80]}... differs from tools/zoo-table's"
