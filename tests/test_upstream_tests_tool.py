@@ -3,6 +3,7 @@
 import importlib.machinery
 import importlib.util
 import json
+import re
 import os
 import subprocess
 import sys
@@ -879,3 +880,17 @@ def test_failures_recorded_before_their_entry_was_written_are_judged_again(tmp_p
     assert (r3["state"], r3["failed"], r3["xfailed"]) == ("failed", 2, 0)
     assert cli.main(["--ledger", str(path), "--rejudge", "--expected", str(expected), "--target", "upstream"]) == 0
     assert ledger.load(str(path))["matrices"]["gpu-zero"]["results"]["fork"]["4"]["unexpected-pass"] == 1
+
+
+def test_the_pages_gpu_table_is_the_ledgers_summary():
+    """docs/upstream-tests.md's GPU table is what `--summary` makes of the committed ledger."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "docs", "upstream-tests.md")) as f:
+        page = f.read()
+    m = re.search(r"<!-- upstream-tests-summary: (.*?) -->\n(.*?)<!-- /upstream-tests-summary -->", page, re.S)
+    assert m, "docs/upstream-tests.md has lost its upstream-tests-summary markers"
+    proc = subprocess.run([sys.executable, os.path.join(repo, "tools", "upstream-tests"), *m.group(1).split()],
+                          capture_output=True, text=True, timeout=60, cwd=repo)
+    assert proc.returncode == 0, proc.stderr
+    assert m.group(2) == proc.stdout, "docs/upstream-tests.md's GPU table differs from the ledger's: regenerate it"
+    assert "| `gpu-zero` | fork |" in m.group(2)

@@ -416,6 +416,17 @@ def void(ledger, target, nodeids, why):
 
 def status(ledger):
     """Markdown: per matrix and target, shards done and the verdict counts over them; then every shard."""
+    out = summary(ledger).splitlines()
+    out += ["", "| matrix | shard | node ids | fork | upstream |", "| --- | --- | --- | --- | --- |"]
+    for name, m in sorted(ledger["matrices"].items()):
+        for k, ids in enumerate(m["shards"], 1):
+            out.append(shard_row(ledger, name, m, k, ids))
+    return "\n".join(out)
+
+
+def summary(ledger):
+    """Markdown: per matrix and target, shards done and the verdict counts over them, and the node ids with a result
+    (docs/upstream-tests.md holds it between `upstream-tests-summary` markers; a test checks it against the ledger)."""
     out = [f"Shards of upstream's tests at `{ledger['checkout'][:7]}` "
            f"(tests/ sha256 `{ledger['tests_sha256'][:12]}…`).", "",
            "| matrix | target | shards done | incomplete | not run | passed | failed (listed) | failed (unexpected) "
@@ -436,27 +447,28 @@ def status(ledger):
                        f"{total['passed']} | {total['xfailed']} | {total['failed']} | {total['unexpected-pass']} | "
                        f"{total['skipped']} | {failing} |")
     out += [""] + [node_counts(ledger, name) for name in sorted(ledger["matrices"])]
-    out += ["", "| matrix | shard | node ids | fork | upstream |", "| --- | --- | --- | --- | --- |"]
-    for name, m in sorted(ledger["matrices"].items()):
-        for k, ids in enumerate(m["shards"], 1):
-            cells = []
-            for target in TARGETS:
-                r = m["results"].get(target, {}).get(str(k))
-                fork_done = m["results"].get("fork", {}).get(str(k), {}).get("state") in DONE
-                if r:
-                    cells.append(f"{r['state']}: {r['passed']} passed, {r['xfailed']} listed, {r['failed']} "
-                                 f"unexpected, {r['skipped']} skipped; {r['host']}, {r['date']}, {r['seconds']} s, "
-                                 f"{r['deepspeed']}, {r['workers']} workers"
-                                 + (f" (one run of shards {', '.join(map(str, r['together']))})"
-                                    if r.get("together") else "")
-                                 + (f", resumed {r['resumed']}x (seconds summed)" if r.get("resumed") else "")
-                                 + (f", {r['runs']} runs of the same node ids merged" if r.get("runs") else ""))
-                elif target == "fork" or selection(ledger, name, target, k):
-                    cells.append("not run")
-                else:
-                    cells.append("not needed" if fork_done else "after the fork")
-            out.append(f"| `{name}` | {k}/{len(m['shards'])} | {len(ids)} | {cells[0]} | {cells[1]} |")
     return "\n".join(out)
+
+
+def shard_row(ledger, name, m, k, ids):
+    """One shard's row of status(): its result on the fork and on upstream."""
+    cells = []
+    for target in TARGETS:
+        r = m["results"].get(target, {}).get(str(k))
+        fork_done = m["results"].get("fork", {}).get(str(k), {}).get("state") in DONE
+        if r:
+            cells.append(f"{r['state']}: {r['passed']} passed, {r['xfailed']} listed, {r['failed']} "
+                         f"unexpected, {r['skipped']} skipped; {r['host']}, {r['date']}, {r['seconds']} s, "
+                         f"{r['deepspeed']}, {r['workers']} workers"
+                         + (f" (one run of shards {', '.join(map(str, r['together']))})"
+                            if r.get("together") else "")
+                         + (f", resumed {r['resumed']}x (seconds summed)" if r.get("resumed") else "")
+                         + (f", {r['runs']} runs of the same node ids merged" if r.get("runs") else ""))
+        elif target == "fork" or selection(ledger, name, target, k):
+            cells.append("not run")
+        else:
+            cells.append("not needed" if fork_done else "after the fork")
+    return f"| `{name}` | {k}/{len(m['shards'])} | {len(ids)} | {cells[0]} | {cells[1]} |"
 
 
 def node_counts(ledger, matrix):
