@@ -8,7 +8,8 @@
                                             the series as git-format patches for `git am` on a clone of upstream's
                                             repository at the base release (one copy of csrc/ etc., as upstream's git)
   python -m forkbuild.pq check              DEP-3 headers present, Bug citing a link or an existing docs page,
-                                            and import -> export leaves patches/ unchanged
+                                            X-Reach naming known users (series.REACH), and import -> export
+                                            leaves patches/ unchanged
   python -m forkbuild.pq rebase VERSION --sha256 HEX [--sdist PATH]
                                             move the series onto another upstream release: patches marked
                                             `Applied-Upstream: V` with V <= VERSION are dropped, the rest are
@@ -104,9 +105,9 @@ def queue(tree):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*\.patch", name):
             raise ForkBuildError(f"commit {c[:12]} in {tree}: its first line must be the patch file name "
                                  f"(like fix-something.patch), got {name!r}")
-        missing = series.missing_fields(header)
-        if missing:
-            raise ForkBuildError(f"commit {c[:12]} ({name}): DEP-3 header lacks {', '.join(missing)}")
+        problems = series.header_problems(header)
+        if problems:
+            raise ForkBuildError(f"commit {c[:12]} ({name}): {'; '.join(problems)}")
         out.append(Entry(c, name, header.rstrip("\n") + "\n"))
     names = [e.name for e in out]
     dupes = sorted(set(n for n in names if names.count(n) > 1))
@@ -203,12 +204,10 @@ def check(root):
     for name in names:
         with open(os.path.join(patches_dir, name)) as f:
             header = series.split_patch(f.read())[0]
-        missing = series.missing_fields(header)
-        why = None if missing else series.bug_reference_problem(header, root)
-        if missing:
-            problems.append(f"{name}: DEP-3 header lacks {', '.join(missing)}")
-        elif why:
-            problems.append(f"{name}: {why}")
+        found = series.header_problems(header)
+        if "Bug" not in series.missing_fields(header):
+            found += [why for why in [series.bug_reference_problem(header, root)] if why]
+        problems += [f"{name}: {why}" for why in found]
     if problems:
         return problems  # the queue refuses such commits, so there is no round trip to compare
     with tempfile.TemporaryDirectory() as tmp:

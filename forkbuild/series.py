@@ -6,9 +6,32 @@ import subprocess
 
 from . import ForkBuildError
 
-# DEP-3 fields every patch of the fork carries; each tuple is "one of".
+# DEP-3 fields every patch of the fork carries; each tuple is "one of". X-Reach is the fork's own (below).
 REQUIRED_FIELDS = (("Description", "Subject"), ("Origin", "Author", "From"), ("Bug", ), ("Forwarded", ),
-                   ("Last-Update", ))
+                   ("Last-Update", ), ("X-Reach", ))
+
+# Whom a patch reaches: the X-Reach field's first line lists the users whose runs execute the code the patch
+# changes, as these values, comma-separated. A value written "VALUE (inert)" runs the changed code and gets
+# upstream's result; the field's continuation lines say why. The only definition of the vocabulary: README.md's
+# patch list and docs/eager-zero-audit.md are generated from it (tools/reach-table).
+REACH = {
+    "eager-zero-0": "ZeRO stage 0: the fp16/bf16 wrappers, plain data parallelism (DeepCompile never runs at stage 0)",
+    "eager-zero-1": "ZeRO-1 without DeepCompile (eager, or engine.compile() with plain torch.compile)",
+    "eager-zero-2": "ZeRO-2 without DeepCompile (eager, or engine.compile() with plain torch.compile)",
+    "eager-zero-3": "ZeRO-3 without DeepCompile (eager, or engine.compile() with plain torch.compile)",
+    "deepcompile": 'DeepCompile: "compile": {"deepcompile": true} once engine.compile() has run (ZeRO-1, -2, -3)',
+    "checkpoint-writer": 'the checkpoint writer: "checkpoint": {"writer": ...}, fast or "decoupled": true',
+    "engine-compile": "engine.compile() without DeepCompile (the module compiled with plain torch.compile)",
+    "every-engine": "every DeepSpeedEngine, whatever its configuration (its config, constructor, forward, "
+    "load_checkpoint)",
+    "op-build": "anyone building a DeepSpeed op: at first use (JIT), or at install with DS_BUILD_OPS=1, which "
+    "builds DeepCompile's op too",
+    "ds-report": "anyone running ds_report",
+    "cuda-accelerator": "anyone reading the CUDA accelerator's memory counters: DeepCompile's profilers, "
+    "memory-breakdown logs, timers, user code",
+}
+INERT = "inert"
+REACH_ITEM = re.compile(r"([\w.-]+)(?: \((\w+)\))?")
 HUNK_RE = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
 
 
@@ -81,6 +104,48 @@ def bug_reference_problem(header, root):
     if missing:
         return f"Bug field cites docs pages that do not exist: {', '.join(missing)}"
     return None
+
+
+def reach(header):
+    """([(value, inert)], note) of the X-Reach field: its first line's values, and the lines below it."""
+    text = dep3_fields(header).get("X-Reach", "")
+    first, _, note = text.partition("\n")
+    items = []
+    for item in (i.strip() for i in first.split(",")):
+        m = REACH_ITEM.fullmatch(item)
+        items.append((m.group(1), m.group(2) == INERT) if m and m.group(2) in (None, INERT) else (item, None))
+    return [i for i in items if i[0]], " ".join(note.split())
+
+
+def reach_problem(header):
+    """Why the X-Reach field does not say whom the patch reaches (None when it does)."""
+    if "X-Reach" not in dep3_fields(header):
+        return "DEP-3 header lacks X-Reach"
+    items, note = reach(header)
+    if not items:
+        return f"X-Reach names no one: write one or more of {', '.join(REACH)}"
+    for value, inert in items:
+        if inert is None:
+            return f"X-Reach: cannot read {value!r}: write VALUE or VALUE (inert)"
+        if value not in REACH:
+            return f"X-Reach: unknown value {value!r} (known: {', '.join(REACH)}; forkbuild/series.py REACH)"
+    values = [v for v, _ in items]
+    twice = sorted(set(v for v in values if values.count(v) > 1))
+    if twice:
+        return f"X-Reach: {', '.join(twice)} listed twice"
+    if all(inert for _, inert in items):
+        return "X-Reach: every value is inert: name whom the patch changes"
+    if any(inert for _, inert in items) and not note:
+        return "X-Reach: an inert value needs lines below the values saying why the changed code is inert"
+    return None
+
+
+def header_problems(header):
+    """What the build refuses in a patch's header: missing DEP-3 fields, an X-Reach field it cannot read."""
+    missing = missing_fields(header)
+    problems = [f"DEP-3 header lacks {', '.join(missing)}"] if missing else []
+    why = None if "X-Reach" in missing else reach_problem(header)
+    return problems + ([why] if why else [])
 
 
 def subject(header):

@@ -98,9 +98,9 @@ def apply_series(tree, patches_dir, names, pin):
         path = os.path.join(patches_dir, name)
         with open(path) as f:
             header, _ = series.split_patch(f.read())
-        missing = series.missing_fields(header)
-        if missing:
-            raise ForkBuildError(f"patch {name}: DEP-3 header lacks {', '.join(missing)}")
+        problems = series.header_problems(header)
+        if problems:
+            raise ForkBuildError(f"patch {name}: {'; '.join(problems)}")
         series.apply(path, tree, name)
         mirror_patch(tree, pin, name, touched_files(path))
         applied.append((name, series.subject(header)))

@@ -42,7 +42,7 @@ def sha256(path):
 
 def header(title, extra=""):
     return (f"Description: {title}\nAuthor: test\nBug: https://example.invalid/fakeds/issues/1\nForwarded: no\n"
-            f"Last-Update: 2026-11-22\n{extra}---\n")
+            f"Last-Update: 2026-11-22\nX-Reach: every-engine\n{extra}---\n")
 
 
 ANSWER_PATCH = header("answer 42") + """--- a/fakeds/__init__.py
