@@ -1,0 +1,96 @@
+"""Worker for tests/test_deepcompile_profiling_collectives_per_graph.py: two gloo ranks on CPU run DeepCompile's
+profilers (ProfilingInterpreter, MemoryProfilingInterpreter) over a chain of --layers linear layers, counting the
+all-reduces each profiler takes and reporting every node's profile metadata; with --fail-on-rank1, rank 1's profiling
+fails at a node (a scripted out-of-memory) ahead of a node that reads a ZeRO-3 parameter, which the profiler gathers
+with a collective.
+
+  torchrun --nproc-per-node 2 tests/cpu_workers/dc_profiler_collectives.py --layers 8   (tests/gpu/dist.py starts it)
+"""
+
+import argparse
+import datetime
+import os
+
+import torch
+import torch.fx
+
+from dc_profile_graph_mismatch import FakeZeroParam, NoOpHandle, profile_on_cpu, run_profiler
+from founding_common import reduce_the_final_bucket, run_worker
+
+META = ("device_time", "wall_time", "alloc_mem", "max_mem", "tensor_size", "profile_mem_start", "profile_mem_peak")
+
+
+def fails_on_rank1(t):
+    """A node whose profiling runs out of memory on rank 1 only."""
+    if int(os.environ["RANK"]) == 1:
+        raise RuntimeError("CUDA out of memory (scripted)")
+    return t
+
+
+torch.fx.wrap("fails_on_rank1")
+
+
+class Chain(torch.nn.Module):
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return (x, )
+
+
+def failing_before_a_gather(x, w):
+    return (torch.relu(fails_on_rank1(x * 2)) @ w, )
+
+
+def main(report):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--fail-on-rank1", action="store_true")
+    args = ap.parse_args()
+    import deepspeed
+    import deepspeed.comm as dist
+    from deepspeed.compile.profilers import graph_profile
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    deepspeed.accelerator.get_accelerator().current_device = lambda: "cpu"
+    profile_on_cpu(deepspeed.accelerator.get_accelerator())
+    graph_profile.get_deepcompile_handle = NoOpHandle
+    graph_profile.is_release_node = graph_profile.is_comm_op = lambda node: False
+    # The profilers compare targets with DeepCompile's ops, whose library (CUDA) is not loaded here: their schemas.
+    dc = torch.library.Library("dc", "FRAGMENT")
+    dc.define("allgather_param(Tensor a, int graph_id, int id, ScalarType? dtype=None) -> Tensor")
+    dc.define("release_param(Tensor a, int graph_id, int id, int n_users) -> Tensor")
+
+    all_reduce, counted = dist.all_reduce, []
+
+    def counting_all_reduce(*a, **k):
+        counted.append(1)
+        return all_reduce(*a, **k)
+
+    dist.all_reduce = counting_all_reduce
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    for name in ("ProfilingInterpreter", "MemoryProfilingInterpreter"):
+        if args.fail_on_rank1:
+            weight = torch.nn.Parameter(torch.randn(8, 8))
+            param = FakeZeroParam(weight, gathered=False)
+            gm = torch.fx.symbolic_trace(failing_before_a_gather)
+            run_profiler(getattr(graph_profile, name)(gm), x, weight)
+            report[name] = dict(gathers=param.gathers, incomplete=graph_profile.is_profile_incomplete(gm.graph))
+            continue
+        gm = torch.fx.symbolic_trace(Chain(args.layers))
+        counted.clear()
+        run_profiler(getattr(graph_profile, name)(gm), x)
+        report[name] = dict(all_reduces=len(counted), nodes=len(gm.graph.nodes),
+                            incomplete=graph_profile.is_profile_incomplete(gm.graph),
+                            meta={n.name: [n.meta.get(k) for k in META] for n in gm.graph.nodes})
+    dist.all_reduce = all_reduce
+    reduce_the_final_bucket(report)
+
+
+if __name__ == "__main__":
+    run_worker("dc_profiler_collectives", main, hard_exit=True)  # gloo on CPU: see founding_common.run_worker
