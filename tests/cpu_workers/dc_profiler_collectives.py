@@ -4,12 +4,18 @@ all-reduces each profiler takes and reporting every node's profile metadata; wit
 fails at a node (a scripted out-of-memory) ahead of a node that reads a ZeRO-3 parameter, which the profiler gathers
 with a collective.
 
+With --cache-root DIR each rank keeps Inductor's cache (where the profilers keep their profiles) in DIR/rank<RANK>,
+as a job restarted on the same host finds it; --forget-on-rank1 empties rank 1's first. Without it the caches are
+fresh temporary folders. Each profiler reports how many nodes it ran.
+
   torchrun --nproc-per-node 2 tests/cpu_workers/dc_profiler_collectives.py --layers 8   (tests/gpu/dist.py starts it)
 """
 
 import argparse
 import datetime
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.fx
@@ -50,7 +56,14 @@ def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--fail-on-rank1", action="store_true")
+    ap.add_argument("--cache-root")
+    ap.add_argument("--forget-on-rank1", action="store_true")
     args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    cache = os.path.join(args.cache_root, f"rank{rank}") if args.cache_root else tempfile.mkdtemp()
+    if args.forget_on_rank1 and rank == 1:
+        shutil.rmtree(cache, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.compile.profilers import graph_profile
@@ -72,6 +85,14 @@ def main(report):
         return all_reduce(*a, **k)
 
     dist.all_reduce = counting_all_reduce
+    ran = []
+    for cls in (graph_profile.ProfilingInterpreter, graph_profile.MemoryProfilingInterpreter):
+
+        def counting_run_node(self, n, run_node=cls.run_node):
+            ran.append(n.name)
+            return run_node(self, n)
+
+        cls.run_node = counting_run_node
     torch.manual_seed(0)
     x = torch.randn(4, 8)
     for name in ("ProfilingInterpreter", "MemoryProfilingInterpreter"):
@@ -84,8 +105,9 @@ def main(report):
             continue
         gm = torch.fx.symbolic_trace(Chain(args.layers))
         counted.clear()
+        ran.clear()
         run_profiler(getattr(graph_profile, name)(gm), x)
-        report[name] = dict(all_reduces=len(counted), nodes=len(gm.graph.nodes),
+        report[name] = dict(all_reduces=len(counted), nodes=len(gm.graph.nodes), ran=len(ran),
                             incomplete=graph_profile.is_profile_incomplete(gm.graph),
                             meta={n.name: [n.meta.get(k) for k in META] for n in gm.graph.nodes})
     dist.all_reduce = all_reduce
