@@ -193,6 +193,9 @@ class DistJob:
         env.update(BASE_ENV)
         env.update(self.extra_env)
         env[RESULT_DIR_ENV] = result_dir
+        # Each job compiles as a first run does: DeepCompile keeps its profiles in Inductor's cache folder, and a job
+        # that found an earlier test's profile of the same graph would plan from it instead of profiling.
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(self._tmp.name, "inductor"))
         if self.nprocs == 1:
             env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(_free_port()))
