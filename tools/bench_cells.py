@@ -39,6 +39,9 @@ MODELS = {
     # The 8B model's depth at the 1.5B model's width (2.1B parameters): DeepCompile's passes cost what the graph's
     # node count costs, which the depth decides; two of these warm up side by side on one H200.
     "llama-1.5b-32l": ("LlamaConfig", dict(LLAMA_15B, num_hidden_layers=32)),
+    # Qwen3-8B-shaped (8.2B parameters): the model of the defect report DeepSpeed PR #8036 measured on 8 GPUs.
+    "qwen3-8b": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)),
     # Qwen2-MoE-style, 16 routed experts of which 2 a token and a shared expert in every layer, Llama 3's vocabulary:
     # about 0.77B parameters, 0.27B of them computed per token (the input embedding and 14 of 16 experts not).
     "qwen2-moe": ("Qwen2MoeConfig", dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=704,
@@ -95,6 +98,9 @@ SETS = {
     "size-0.5b": ("llama-0.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
     "size-1.5b": ("llama-1.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
     "size-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
+    # https://github.com/deepspeedai/DeepSpeed/pull/8036's setting, with --gpus 8 and a --site for each version:
+    # DeepCompile ZeRO-1's step and peak memory, the fork against 0.19.8.
+    "founding-8036": ("qwen3-8b", 4096, 1, [["dc-z1"]]),
     # At one GPU: DeepCompile ZeRO-1 against torch.compile at DeepSpeed's precision and at pure bf16.
     "one-gpu-0.5b": ("llama-0.5b", 2048, 1, [["dc-z1"], ["compile-amp"], ["compile"]]),
     "tiny": ("tiny", 32, 2, [["torch", "ds-z1", "ds-z3"]]),
