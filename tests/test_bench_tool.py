@@ -42,7 +42,7 @@ def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
     ds = [r for r in data["rows"] if r["subject"].startswith("ds-")]
     assert all("+fork." in r["deepspeed"] for r in ds), [r.get("deepspeed") for r in ds]
     assert "| tiny | ds-z3 |" in (tmp_path / "bench.md").read_text()
-    # the host beside the GPU: 0.19.8 ran 7 % faster on run Y's host than on two others (docs/bench.md, run Z3)
+    # the host beside the GPU: 0.19.8 ran 7 % faster on one host than on two others (docs/bench.md)
     assert data["host_ops_per_s"] > 1000 and data["host_cpu"].endswith(" cores"), data
     assert "k tiny ops/s (measured)" in (tmp_path / "bench.md").read_text()
     # --profile: the named subject only, a trace, and its time split by category (on a CPU: aten ops' own time)
@@ -126,9 +126,9 @@ def test_a_gpu_holds_one_rank_of_every_process_of_its_group(sites, gpus, held):
 
 @pytest.mark.parametrize("sites,gpus,held", [(3, "4", 3), (2, "2,4", 4)])
 def test_a_multi_rank_group_that_crowds_a_gpu_is_refused(tmp_path, sites, gpus, held):
-    """Three versions of the 4-rank 1.5B/4096 step on 4 GPUs (session 24), and a 2- and a 4-rank process of two
-    versions (session 17), never finished warming up and cost a 10-minute command each: refused before anything
-    runs, unless --crowd. Two processes of several ranks a GPU warm up (run Y)."""
+    """Three versions of the 4-rank 1.5B/4096 step on 4 GPUs, and a 2- and a 4-rank process of two
+    versions, never finished warming up and cost a 10-minute command each: refused before anything
+    runs, unless --crowd. Two processes of several ranks a GPU warm up."""
     args = ["--sets", "multi-gpu-1.5b-4096", "--only", "dc-z3", "--gpus", gpus]
     for label in "abc"[:sites]:
         (tmp_path / label / "deepspeed").mkdir(parents=True)
@@ -179,8 +179,8 @@ def _cli():
 
 
 def test_the_warm_up_keeps_what_selective_gather_decided_and_restores_the_log_level():
-    """Runs Y and Z1/Z3 (docs/bench.md) gave 0.19.8 0.1206 s and 0.129-0.130 s a step at 4 GPUs, and nothing in the
-    logs told them apart: DeepSpeed logs at WARNING, and selective_gather, which chooses from the device's free memory
+    """Runs on three 4-GPU hosts (docs/bench.md) gave 0.19.8 0.1206 s and 0.129-0.130 s a step at 4 GPUs, and nothing
+    in the logs told them apart: DeepSpeed logs at WARNING, and selective_gather, which chooses from the device's free memory
     what stays gathered, reports at INFO. A DeepCompile ZeRO-3 row now keeps those records of its warm-up."""
     pytest.importorskip("deepspeed")
     from deepspeed.utils import log_dist, logger
@@ -222,7 +222,7 @@ def test_the_table_says_what_selective_gather_kept(tmp_path, last, kept):
 
 
 def test_two_sites_of_one_version_are_told_apart_in_the_table(tmp_path):
-    """Run Z13 measured fork.34 beside fork.34 with one header changed: both rows of bench.md said 0.19.8+fork.34, and
+    """A run measured fork.34 beside fork.34 with one header changed: both rows of bench.md said 0.19.8+fork.34, and
     only the JSON told which was which. Where sites share a version, the table names the site."""
     cli = _cli()
     rows = [{"set": "s", "subject": "dc-z3", "site": site, "deepspeed": ver, "blocks": [{"step_s": [step]}],
@@ -240,7 +240,7 @@ def test_two_sites_of_one_version_are_told_apart_in_the_table(tmp_path):
 
 
 def test_a_profile_counts_each_collective_a_step_issues(tmp_path):
-    """Run Z3's profile gave 0.19.8 39.7 ms more of communication kernels a step than fork.33, and the traces were
+    """A profile gave 0.19.8 39.7 ms more of communication kernels a step than fork.33, and the traces were
     not kept: which collectives, how many, was not known. A profile now counts them."""
     from bench_step import communication_kernels
     kernels = [("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 1000.0)] * 6 + [
@@ -278,7 +278,7 @@ def _event(name, start, end, device=True, annotation=False):
 
 
 def test_a_profile_counts_no_record_function_range_as_device_time():
-    """Run Z4's collectives table listed `nccl:all_reduce` beside the all-reduce kernels it launched, with their
+    """A collectives table listed `nccl:all_reduce` beside the all-reduce kernels it launched, with their
     time: the c10d collectives' record_function ranges come back as device events too, and were summed with the
     kernels (0.19.8's communication 60.1 ms a step, 49.5 ms of it kernels). A range covers the gaps between its
     kernels as well: an optimizer step's range made those gaps busy and hid the communication in them."""
@@ -303,7 +303,7 @@ def test_a_profile_counts_no_record_function_range_as_device_time():
 
 
 def test_a_row_failed_in_a_group_the_budget_cut_names_the_budget():
-    """Session 15's one-GPU run gave 0.19.8's 1.5B DeepCompile ZeRO-3 group 149 s of --group-deadline-s 250, because
+    """A one-GPU run gave 0.19.8's 1.5B DeepCompile ZeRO-3 group 149 s of --group-deadline-s 250, because
     --budget-s (counted from before the op builds) had 149 s left; the row said only "no ready within 149 s"."""
     cut = _cli().note_budget_cut
     failed = cut({"error": "no ready within 144 s"}, 149.0, 250.0)["error"]
@@ -357,7 +357,7 @@ def test_upstream_sites_build_their_ops_for_plain_architectures(value, plain):
 
 @pytest.mark.parametrize("version, upstream", [("0.19.8", True), ("0.19.8+fork.32", False), (None, False)])
 def test_a_site_installed_from_upstreams_wheel_gets_plain_architectures(tmp_path, monkeypatch, version, upstream):
-    """Session 23: `--site v0198=DIR`, DIR a `pip install --target` of 0.19.8's wheel, failed its JIT build on a 9.0a
+    """`--site v0198=DIR`, DIR a `pip install --target` of 0.19.8's wheel, failed its JIT build on a 9.0a
     host (only `--site LABEL=pinned` had the plain list), and cost a 4-GPU run. The release is read from DIR's
     dist-info."""
     tool = _cli()

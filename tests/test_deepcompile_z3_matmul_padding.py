@@ -1,7 +1,7 @@
 """DeepCompile ZeRO-3 at several ranks: Inductor pads no matmul on one rank only, so every rank profiles the same
 graph (patch deepcompile-z3-ranks-agree-on-matmul-padding).
 
-On 4xH200 (fork.33, session 28) tests/gpu/test_z3_release_memcheck.py's dense and tied-embedding jobs, two ranks each,
+On 4xH200 (fork.33) tests/gpu/test_z3_release_memcheck.py's dense and tied-embedding jobs, two ranks each,
 stopped in their first compile with ProfileGraphMismatch: rank 0's forward graph had a constant_pad_nd where rank 1's
 went straight to the addmm (node 40 of 80 and 68), though both ranks' inputs had the same shapes. The jobs' layers have
 odd sizes, and Inductor pads such a matmul where a benchmark timed at compile time on the rank's own GPU finds the

@@ -6,7 +6,7 @@ optimizer step, one collective each. DeepCompile's init_z3 makes every parameter
 they use), but ZeRO-3's list of persistent parameters stayed: every step all-gathered them all, and the next forward
 partitioned them again. A Hugging Face model has a few such parameters per layer (norms, biases, the router of an MoE
 layer): 85 for the 12-layer Qwen2-MoE-style model of tools/bench. That is 85 collectives of a few KiB, with their
-allocations and frees, in every step, and the host bounds that step (docs/bench.md, run S).
+allocations and frees, in every step, and the host bounds that step (docs/bench.md).
 
 Two gloo ranks on CPU (tests/cpu_workers/dc_z3_step_gathers.py): eager ZeRO-3 and DeepCompile ZeRO-3 (its CUDA op a
 no-op; the model runs in a frame Dynamo skips) train the same 3 steps.

@@ -1,5 +1,5 @@
 """tools/gpu-suite: the JUnit files it writes come back from the GPU hosts, and a suite stopped by its command's
-deadline still prints what ran (session 25: a fork.33 run lost both, its files named with the version's '+' and
+deadline still prints what ran (a fork.33 run lost both, its files named with the version's '+' and
 its table never printed)."""
 
 import os

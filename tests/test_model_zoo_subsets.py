@@ -94,7 +94,7 @@ def test_stage_names_give_zero_options_or_a_clear_error(name, parsed):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_each_rank_gets_micro_batches_of_its_own_length_and_padding(monkeypatch, world):
-    """At 4 ranks (4xH100, session 15) every cell stopped at its after-phase with an IndexError: the lengths ran out
+    """At 4 ranks (4xH100) every cell stopped at its after-phase with an IndexError: the lengths ran out
     at 2 ranks' count of micro-batches."""
     seen = {}
     count = sum(len(v) if isinstance(v, list) else 1 for v in zoo_cell.plan().values())
@@ -125,7 +125,7 @@ from founding_common import stacks_at_deadline
 def read_the_environment(depth):
     if depth:
         return read_the_environment(depth - 1)
-    while True:  # the thread faulthandler was printing when it crashed a rank (zoo run 12)
+    while True:  # the thread faulthandler was printing when it crashed a rank (a zoo run on 4xH100)
         os.environ.get("PATH")
         time.sleep(0.001)
 
@@ -146,7 +146,7 @@ else:
 
 
 def test_a_deadline_dump_shows_the_main_thread_first_beside_busy_threads(two_ranks, tmp_path):
-    """Zoo run 12 (4xH100): a rank died with SIGSEGV in the middle of faulthandler's dump, which reads other threads'
+    """A zoo run (4xH100): a rank died with SIGSEGV in the middle of faulthandler's dump, which reads other threads'
     frames while they run, and faulthandler prints the main thread last, so that a dump cut to STACKS_CHARS loses the
     one frame that matters ("rank 3 in ?"). The dump is now written under the GIL, the main thread's first: rank 0
     hangs beside four threads 200 frames deep. Rank 1 holds the GIL in C, where no Python thread can run, and

@@ -106,7 +106,7 @@ def test_check_reports_missing_dep3_fields(fork):
 
 
 @pytest.mark.parametrize("bug, why", [
-    ("fork issue #4", "Bug field cites no link and no docs page: 'fork issue #4'"),
+    ("tracker item #4", "Bug field cites no link and no docs page: 'tracker item #4'"),
     ("docs/no-such-page.md (the defect)", "Bug field cites docs pages that do not exist: docs/no-such-page.md"),
 ])
 def test_check_refuses_a_bug_field_that_sends_the_reader_nowhere(fork, bug, why):

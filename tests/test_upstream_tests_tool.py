@@ -410,7 +410,7 @@ def test_verdicts(outcome, listed, expected):
 
 
 def test_a_failure_that_depends_on_the_workers_state_may_pass():
-    """4xH100, session 22: 0.19.8 passed test_to_leaves_pinned_host_tensors_alone, which it had failed in session 21
+    """4xH100: 0.19.8 passed test_to_leaves_pinned_host_tensors_alone, which it had failed the day before
     ([gpu-forked]: CUDA initialized in the xdist worker before the fork); such an entry takes a pass as a pass,
     and still a failure as listed."""
     forked = report.Entry("x", "reason", frozenset(["gpu-forked"]), 1)
@@ -767,7 +767,7 @@ def test_an_incomplete_shard_resumes_with_only_its_node_ids_without_a_result():
 
 
 def test_two_runs_of_the_same_node_ids_are_merged_not_counted_twice():
-    """4xH100, session 21: gpu-zero's 47 shards left ran in two commands from the same ledger, the second before
+    """4xH100: gpu-zero's 47 shards left ran in two commands from the same ledger, the second before
     the first's summaries were recorded. Each node id counts once: a run's result where only it has one, the worse
     where both do; the other run's verdict is named."""
     led = _ledger()
@@ -798,7 +798,7 @@ def test_two_runs_of_the_same_node_ids_are_merged_not_counted_twice():
 
 
 def test_a_test_the_limit_cut_off_while_it_ran_has_no_result(monkeypatch, tmp_path):
-    """4xH100, session 22: the limit killed gpu-zero's pass during an NVMe offload test, and the tool recorded the
+    """4xH100: the limit killed gpu-zero's pass during an NVMe offload test, and the tool recorded the
     test's setup without a call as a failure ("no call report") that no later run would take again."""
     def pytest_run(cmd, cwd, env, log, deadline, killed):
         with open(env["DS_UT_STATE"], "w") as f:
@@ -859,7 +859,7 @@ def test_voided_failures_are_run_again_and_their_new_results_complete_the_shard(
 
 
 def test_failures_recorded_before_their_entry_was_written_are_judged_again(tmp_path):
-    """Session 21 listed TestAutoSPCompile ([offline]) and four [gpu-forked] tests after their failures were recorded:
+    """A run listed TestAutoSPCompile ([offline]) and four [gpu-forked] tests after their failures were recorded:
     the ledger went on counting them as unexpected. --rejudge applies the expected-failures file as it is now."""
     led = _ledger()
     ledger.record(led, [("s", _shard_summary(led, "fork", 3, {

@@ -1,4 +1,4 @@
-"""The eager ZeRO differential suite (tools/zero-diff, issue 18): its cells cover every pair of option levels, and on
+"""The eager ZeRO differential suite (tools/zero-diff): its cells cover every pair of option levels, and on
 CPU the fork trains every cell bit for bit as upstream 0.19.8 does, at 1 and 2 ranks.
 
 On this CPU-only machine DeepSpeed's CPU accelerator runs (gloo, no streams, no fp16), so the stream-ordering patch

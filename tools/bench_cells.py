@@ -25,7 +25,7 @@ LLAMA_05B = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
 
 # name: transformers config class and sizes. Parameter counts are of the model as built (tools/bench prints them).
 MODELS = {
-    # Issue 18's host-bound model: 435 small parameter tensors (48 layers x 9, embeddings, final norm, head).
+    # A host-bound model: 435 small parameter tensors (48 layers x 9, embeddings, final norm, head).
     "many-tensor": ("LlamaConfig", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=48,
                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=32000)),
     # Llama-style, Llama 3's vocabulary (a large embedding): about 0.55B and 1.5B parameters.
@@ -64,11 +64,11 @@ SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 
 # set: (model, seq, batch, [group, ...]); a group is a list of subjects. Sited subjects expand to one process a site.
 SETS = {
-    # Issue 18: eager ZeRO's per-tensor step work on the many-tensor model.
+    # Eager ZeRO's per-tensor step work on the many-tensor model.
     "eager-many-tensor": ("many-tensor", 256, 1, [["torch", "ds-z0", "ds-z1", "ds-z2", "ds-z3"]]),
-    # Issue 18: eager ZeRO at 0.5B, seq 2048; ds-z2-oc: overlap_comm on, where the fork calls record_stream.
+    # Eager ZeRO at 0.5B, seq 2048; ds-z2-oc: overlap_comm on, where the fork calls record_stream.
     "eager-0.5b": ("llama-0.5b", 2048, 1, [["ds-z1"], ["ds-z2"], ["ds-z2-oc"], ["ds-z3"], ["torch"]]),
-    # Issue 13's default: DeepCompile against plain torch.compile, 0.5B at seq 2048 (the longest warm-up first).
+    # The default: DeepCompile against plain torch.compile, 0.5B at seq 2048 (the longest warm-up first).
     "default": ("llama-0.5b", 2048, 1, [["dc-z3"], ["dc-z1"], ["compile"]]),
     # The default's DeepCompile subjects with bf16 master weights, gradients and optimizer states
     # (`bf16_master_weights_and_grads`, `bf16_optimizer_states`): the precision `compile` trains in. Run it with
@@ -78,7 +78,7 @@ SETS = {
     "moe": ("qwen2-moe", 2048, 1, [["dc-z3"], ["dc-z1"], ["compile"]]),
     "zero2": ("llama-0.5b", 2048, 1, [["dc-z2"], ["ds-z2"], ["compile"]]),
     "dense-1.5b": ("llama-1.5b", 2048, 1, [["compile"], ["dc-z1"], ["dc-z3"]]),
-    # Issue 15, with --gpus N: DeepCompile ZeRO-3 against FSDP2 + compile and eager ZeRO-3, then the cell of the MFU
+    # With --gpus N: DeepCompile ZeRO-3 against FSDP2 + compile and eager ZeRO-3, then the cell of the MFU
     # target (1.5B at seq 4096) and the MoE model, each with eager ZeRO-3 last.
     "multi-gpu": ("llama-0.5b", 2048, 1, [["fsdp2"], ["dc-z3"], ["ds-z3"]]),
     "multi-gpu-1.5b-4096": ("llama-1.5b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
@@ -86,7 +86,7 @@ SETS = {
     # What fork.34's deepcompile-z3-ranks-agree-on-matmul-padding costs where it acts, with --gpus 2: the output
     # projection unpadded (the patch) against padded on every rank (force_shape_pad), side by side.
     "odd-vocab": ("llama-0.5b-gpt2-vocab", 2048, 1, [["dc-z3", "dc-z3-pad"]]),
-    # Issue 15: DeepCompile ZeRO-3's reduce-scatter buckets at the MFU target's cell, DeepSpeed's default size
+    # DeepCompile ZeRO-3's reduce-scatter buckets at the MFU target's cell, DeepSpeed's default size
     # beside the Trainer's "auto" (hidden size squared: 4.2M elements here, smaller than most gradients) and 10**8.
     "reduce-buckets": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-rbauto"]]),
     "reduce-buckets-1e8": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-rb1e8"]]),

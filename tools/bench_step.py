@@ -76,7 +76,7 @@ def matmul_peak(dev):
 
 def host_ops_rate(dev):
     """Tiny ops a second this host launches: 20,000 in-place adds to a one-element tensor after 1,000 warm-ups. A step
-    the host bounds is made of such per-op work, and hosts of one GPU kind differ in it (docs/bench.md, run Z3)."""
+    the host bounds is made of such per-op work, and hosts of one GPU kind differ in it (docs/bench.md)."""
     import torch
     x = torch.zeros(1, device=dev)
     for _ in range(1000):

@@ -3,7 +3,7 @@ deepcompile-divide-each-bucket-once).
 
 Before reducing a bucket, DeepCompile divided each gradient in it by the world size: one div_ a gradient, a kernel and
 its host work at every backward, as many as the model has parameter tensors (219 a step in the profile of a 2-GPU
-DeepCompile ZeRO-3 step of a 0.55B Llama, docs/bench.md run I, a step the host bounds). The gradients of a flush lie
+DeepCompile ZeRO-3 step of a 0.55B Llama, docs/bench.md, a step the host bounds). The gradients of a flush lie
 one after another in the bucket, so the fork divides them as one tensor, as it already did at ZeRO-1
 (test_deepcompile_z1_bucket_reduction.py, whose worker and runner this test shares).
 

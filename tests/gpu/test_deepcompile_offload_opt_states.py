@@ -2,7 +2,7 @@
 
 Upstream's unit/v1/compile/test_offload_opt_states.py::TestOffloadOptStates::test_offload_opt_states_correctness
 trains twice with DeepCompile ZeRO-3 in bf16, optimizer states offloaded and resident, and wants the losses equal to
-1e-4. On 4xH100 (session 21) fork.32 failed it ("offloading changed the loss at step 4: -0.5664 vs -0.5898"), 0.19.8
+1e-4. On 4xH100 fork.32 failed it ("offloading changed the loss at step 4: -0.5664 vs -0.5898"), 0.19.8
 passed. Patch deepcompile-lower-only-the-last-schedule-cycle lowers with Inductor only the graphs of the last cycle
 of the pass schedule: the offload schedule's last cycle starts at step 1, the resident one's at WARMUP (5), so steps
 1-4 of the two runs execute different kernels (Inductor's fused cross entropy against the unfused ATen ops, which

@@ -17,7 +17,7 @@ static ([2, 80]) and the other ranks symbolic. Here each rank trains one step th
 then calls engine.module under no_grad (40 and 50, then 44 and 37): both ranks must compile the same graphs, finish
 before the deadline and give eager ZeRO-3's evaluation losses (--case calls-of-the-module).
 
-Matmul padding (patch deepcompile-z3-ranks-agree-on-matmul-padding): on 4xH200 (fork.33, session 28) two-rank jobs of
+Matmul padding (patch deepcompile-z3-ranks-agree-on-matmul-padding): on 4xH200 (fork.33) two-rank jobs of
 test_z3_release_memcheck.py stopped in their first compile with ProfileGraphMismatch, rank 0's graph padding a matmul of
 odd size and rank 1's not: Inductor pads where a benchmark timed on the rank's own GPU finds it faster, and the ranks
 timed it apart. Here the zoo's Llama with GPT-2's vocabulary (50257 rows) trains at one length on both ranks while each

@@ -54,7 +54,7 @@ TRAINER_STAGES = (1, 3)
 PARALLEL = int(os.environ.get("ZOO_PARALLEL", "14"))  # ZOO_MODELS=a,b runs only those rows
 CELL_DEADLINE_S = float(os.environ.get("ZOO_CELL_DEADLINE_S", "360"))
 # A resume starts when its cell ends, late in a run: a deadline of its own lets a stuck one dump its stacks before the
-# suite's timeout (zoo run 13: three resumes still running at the timeout, no stacks).
+# suite's timeout (a zoo run: three resumes still running at the timeout, no stacks).
 RESUME_DEADLINE_S = float(os.environ.get("ZOO_RESUME_DEADLINE_S", str(CELL_DEADLINE_S)))
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).

@@ -1,5 +1,6 @@
 """ZeRO-1/2 without optimizer offload must order every gradient reduction after all the streams that wrote what it
-reduces, and every copy into a reused bucket buffer after the reduction that reads it (fork issue 4, item 4).
+reduces, and every copy into a reused bucket buffer after the reduction that reads it (the gaps left by upstream PR
+https://github.com/deepspeedai/DeepSpeed/pull/8080).
 
 Runs workers/overlap_comm_stream_order.py on 2 GPUs (one torchrun job for all cases), fp32, plain SGD. The worker
 runs ZeRO's per-parameter gradient entry for one weight on a side stream and delays one operation with a sleep

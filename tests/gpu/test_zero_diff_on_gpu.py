@@ -1,4 +1,4 @@
-"""Eager ZeRO on GPUs, fork against upstream 0.19.8, bit for bit (issue 18): tools/zero-diff over every cell of
+"""Eager ZeRO on GPUs, fork against upstream 0.19.8, bit for bit: tools/zero-diff over every cell of
 tests/gpu/workers/zero_diff_cells.py, fp16 included, at world size 1 and, where the host has two GPUs, 2.
 
 0.19.8 is built by the tool from the pinned sdist ($DS_FORK_SDIST or the fork's cache; `--site 0.19.8=pinned`). On

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The last node ids of both GPU matrices on one GPU host (docs/upstream-tests.md, "Session 22"):
+# The last node ids of both GPU matrices on one GPU host (docs/upstream-tests.md):
 #
 #   OUT=DIR tools/upstream_tests/fork-then-upstream.sh WALL_SECONDS
 #

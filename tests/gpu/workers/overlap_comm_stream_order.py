@@ -52,8 +52,9 @@ SLEEP_CYCLES = 1_000_000_000
 REL_TOL = 1e-3
 # Layer widths of the chain (w_k: widths[k] x widths[k-1]) and the weight whose hook is injected.
 VARIANTS = {"oversized": ([D, D, 3 * D, 64], "w2"), "buffer_reuse": ([D] * 7, "w1")}
-# name: (zero stage, overlap_comm, variant, side stream, optimizer offload). The overlap cases are issue 4 item 4's
-# two gaps, one each; no_overlap: the same injections without overlap_comm, where 0.19.8 orders nothing at all;
+# name: (zero stage, overlap_comm, variant, side stream, optimizer offload). The overlap cases are the two gaps
+# left by https://github.com/deepspeedai/DeepSpeed/pull/8080, one each; no_overlap: the same injections without
+# overlap_comm, where 0.19.8 orders nothing at all;
 # single_stream: controls.
 CASES = {
     "z1_overlap_oversized": (1, True, "oversized", True, False),

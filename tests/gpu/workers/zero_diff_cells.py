@@ -1,4 +1,4 @@
-"""The cells of the eager ZeRO differential suite (tools/zero-diff, issue 18): which configurations run, fork
+"""The cells of the eager ZeRO differential suite (tools/zero-diff): which configurations run, fork
 against 0.19.8, and why these.
 
 Eleven factors of a ZeRO configuration, each with the levels users set (FACTORS). Their full product is 16,384
