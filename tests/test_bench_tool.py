@@ -180,8 +180,8 @@ def _cli():
 
 def test_the_warm_up_keeps_what_selective_gather_decided_and_restores_the_log_level():
     """Runs on three 4-GPU hosts (docs/bench.md) gave 0.19.8 0.1206 s and 0.129-0.130 s a step at 4 GPUs, and nothing
-    in the logs told them apart: DeepSpeed logs at WARNING, and selective_gather, which chooses from the device's free memory
-    what stays gathered, reports at INFO. A DeepCompile ZeRO-3 row now keeps those records of its warm-up."""
+    in the logs told them apart: DeepSpeed logs at WARNING, and selective_gather, which chooses from the device's free
+    memory what stays gathered, reports at INFO. A DeepCompile ZeRO-3 row now keeps those records of its warm-up."""
     pytest.importorskip("deepspeed")
     from deepspeed.utils import log_dist, logger
     from bench_step import SelectiveGatherLog

@@ -1,6 +1,6 @@
 """tools/zoo-table: summaries joined by ':' render as one column, the later run's cell replacing the earlier one's (a
-version whose rows ran in several commands, as some of docs/model-zoo.md's columns); a path that is not a summary is a clear
-error, not a traceback."""
+version whose rows ran in several commands, as some of docs/model-zoo.md's columns); a path that is not a summary is a
+clear error, not a traceback."""
 
 import json
 import os
