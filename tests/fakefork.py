@@ -76,6 +76,16 @@ def make_fork(root, sdist, patches=None, release=3, sha=None, mirrors=True):
     return root
 
 
+def build_env(tmp_path):
+    """An environment for a build of its own: no DS_FORK_* of the caller's, a temporary folder and a sdist cache
+    inside `tmp_path` (so that what a failed build leaves behind can be checked)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DS_FORK_")}
+    env.update(TMPDIR=str(tmp), DS_FORK_CACHE=str(tmp_path / "cache"))
+    return env
+
+
 def pip_wheel(root, out, env=None):
     """Build the fork at `root` the way a user does (pip, PEP 517) and return the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", out, root],

@@ -24,11 +24,7 @@ def answer_patch(reach):
 
 @pytest.fixture
 def env(tmp_path):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    e = {k: v for k, v in os.environ.items() if not k.startswith("DS_FORK_")}
-    e.update(TMPDIR=str(tmp), DS_FORK_CACHE=str(tmp_path / "cache"))
-    return e
+    return fakefork.build_env(tmp_path)
 
 
 @pytest.mark.parametrize("case", sorted(UNREADABLE))
