@@ -128,19 +128,8 @@ def main(report):
     parser.add_argument("--deadline", type=float, default=300)
     args = parser.parse_args()
     stacks_at_deadline(args.deadline)
-    import deepspeed
-
     rank, world_size = report["rank"], report["world_size"]
-    device = torch.device("cpu")
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        from deepspeed import fork_info
-        patches = [name for name, _ in fork_info.patches]
-    except ImportError:  # upstream's own build
-        patches = []
-    report.update(deepspeed_version=deepspeed.__version__, deepspeed_file=deepspeed.__file__,
-                  torch_version=torch.__version__, fork_patches=patches, cells={})
+    device = zero_diff.start_run(report)
     table = zero_ckpt_cross.cells()
     # A perturbed round runs right after the rounds of its cell and launcher: a ZeRO-3 engine leaves torch's linear
     # patched for the rest of the process (both versions), so that rounds after it are not those before it.

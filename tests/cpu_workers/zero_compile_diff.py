@@ -125,19 +125,9 @@ def main(report):
     parser.add_argument("--deadline", type=float, default=300)
     args = parser.parse_args()
     stacks_at_deadline(args.deadline)
-    import deepspeed
     import transformers
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        from deepspeed import fork_info
-        patches = [name for name, _ in fork_info.patches]
-    except ImportError:  # upstream's own build
-        patches = []
-    report.update(deepspeed_version=deepspeed.__version__, deepspeed_file=deepspeed.__file__,
-                  torch_version=torch.__version__, transformers_version=transformers.__version__,
-                  backend=args.backend, fork_patches=patches, cells={})
+    zero_diff.start_run(report, transformers_version=transformers.__version__, backend=args.backend)
     for stage in args.stages:
         name = f"z{stage}"
         report["cells"][name] = {"reached": "start"}

@@ -197,26 +197,9 @@ def main(report):
     parser.add_argument("--deadline", type=float, default=300)
     args = parser.parse_args()
     stacks_at_deadline(args.deadline)
-    import deepspeed
-
     rank, world_size = report["rank"], report["world_size"]
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        deepspeed.init_distributed(dist_backend="nccl")
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    else:
-        device = torch.device("cpu")
-        deepspeed.init_distributed(dist_backend="gloo")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        from deepspeed import fork_info
-        patches = [name for name, _ in fork_info.patches]
-    except ImportError:  # upstream's own build
-        patches = []
-    report.update(deepspeed_version=deepspeed.__version__, deepspeed_file=deepspeed.__file__,
-                  torch_version=torch.__version__, device=device.type, fork_patches=patches, cells={})
+    device = zero_diff.start_run(report)
+    report["device"] = device.type
     table = cells()
     sources = [c.split("=", 1) for c in args.checkpoint]
     perturbed = {tuple(p.split(":", 1)) for p in args.perturb}

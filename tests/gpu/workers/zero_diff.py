@@ -197,16 +197,11 @@ def run_cell(cell, device, rank, world_size, perturb):
     return {"losses": losses, "steps": steps, "params": digests}
 
 
-def main(report):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cells", nargs="*", default=None)
-    parser.add_argument("--deadline", type=float, default=540)
-    parser.add_argument("--perturb", default=None)
-    args = parser.parse_args()
-    stacks_at_deadline(args.deadline)
+def start_run(report, **fields):
+    """Join the ranks (NCCL on this rank's GPU where there is one, with TF32 off; gloo on the CPU), make torch's
+    algorithms deterministic, and record in `report` which deepspeed and torch run, the fork's patches and `fields`.
+    Returns the device. The differential workers (this one, zero_ckpt_cross and the CPU suite's) all start so."""
     import deepspeed
-
-    rank, world_size = report["rank"], report["world_size"]
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -225,7 +220,19 @@ def main(report):
     except ImportError:  # upstream's own build
         patches = []
     report.update(deepspeed_version=deepspeed.__version__, deepspeed_file=deepspeed.__file__,
-                  torch_version=torch.__version__, fork_patches=patches, cells={})
+                  torch_version=torch.__version__, fork_patches=patches, cells={}, **fields)
+    return device
+
+
+def main(report):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cells", nargs="*", default=None)
+    parser.add_argument("--deadline", type=float, default=540)
+    parser.add_argument("--perturb", default=None)
+    args = parser.parse_args()
+    stacks_at_deadline(args.deadline)
+    rank, world_size = report["rank"], report["world_size"]
+    device = start_run(report)
     suite = zero_diff_cells.cells(fp16=device.type == "cuda")
     # Cells of one configuration at every stage run only when named (tests/test_zero_stages_agree.py).
     table = {name: cell for precision in zero_diff_cells.FACTORS["precision"]
