@@ -1,10 +1,44 @@
+import fcntl
+import importlib.metadata
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # forkbuild (the build pipeline) is tested from the checkout; deepspeed never is
+
+# The order tests are handed out in (tools/run-tests spreads them over pytest-xdist workers, in this order: its
+# --no-loadscope-reorder). test_arch_list.py first, as one unit: it imports deepspeed's CUDA op builders into the
+# pytest process, which no test may have done with another accelerator before it (the accelerator deepspeed picks
+# stays the process's). Then the longest ones, so that none is left running alone at the end. Order only: every test
+# still runs; the rest keep theirs.
+FIRST = ("tests/test_arch_list.py::", "tests/test_compile_check.py::test_deepcompile_op_builds",
+         "tests/test_bench_tool.py::", "tests/test_zero_diff.py::", "tests/test_checkpoints_cross_versions.py::",
+         "tests/test_checkpoint_writer_round_trip.py::", "tests/test_compile_check.py::",
+         "tests/test_bench_trainer_tool.py::", "tests/test_model_zoo_subsets.py::")
+ONE_UNIT = ("tests/test_arch_list.py", )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Orders the tests (FIRST), and keeps each module whose tests share a module-scoped fixture of its own on one
+    xdist worker (`--dist loadgroup`): split between workers, such a fixture (two ranks training, say) would run once
+    on each."""
+    def rank(item):
+        return next((i for i, prefix in enumerate(FIRST) if item.nodeid.startswith(prefix)), len(FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("xdist_group"):
+            continue
+        module = item.nodeid.split("::")[0]
+        if module in ONE_UNIT or any(
+                defs and defs[-1].scope in ("module", "class") and str(defs[-1].baseid).split("::")[0] == module
+                for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +59,33 @@ def fork_wheel():
     if not path or not os.path.isfile(path):
         pytest.fail("FORK_WHEEL is not set: run the suite with tools/run-tests, which builds and installs the wheel")
     return path
+
+
+@pytest.fixture(scope="session")
+def pinned_upstream_site(pin):
+    """Upstream's pinned release (tools/pinned_upstream.site: the sdist the fork's build verifies, `pip install
+    --target`), kept in the test environment under the sdist's sha256 and the torch it was built beside, and built
+    there once: every module, xdist worker and later run of this environment uses that one build (and the ops
+    deepspeed JIT-builds for it, whose folders tests name after the site's path). A process that finds another
+    building it waits for that build."""
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    import pinned_upstream
+    root = os.path.join(sys.prefix, "pinned-upstream")
+    site = os.path.join(root, f"{pin.sha256[:16]}-torch{importlib.metadata.version('torch')}", f"site-{pin.version}")
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not os.path.isdir(os.path.join(site, "deepspeed")):
+                # Built aside and moved in whole: a build cut short leaves no site that looks complete.
+                staging = tempfile.mkdtemp(dir=root)
+                try:
+                    built = pinned_upstream.site(staging, pin.version)
+                    shutil.rmtree(site, ignore_errors=True)
+                    os.makedirs(os.path.dirname(site), exist_ok=True)
+                    os.rename(built, site)
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+            return site
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

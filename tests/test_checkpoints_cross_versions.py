@@ -21,13 +21,12 @@ agree before each read so as to record the failure instead (zero_ckpt_cross.read
 0.19.8 fails so (EXPECTED_UPSTREAM_DEVIATIONS), so the day it does not the table must change.
 
 Runs on DeepSpeed's CPU accelerator (gloo) at 1 and 2 ranks, as tests/test_zero_diff.py does; 0.19.8 is built from
-the pinned sdist by the machinery tools/zero-diff uses (tools/pinned_upstream.site, `--site 0.19.8=pinned`), into a
-"zero-diff" folder of this pytest run's temporary directory as tests/test_zero_diff.py's fixture does, reused where
-that fixture already built it. DeepCompile cells (ZeRO-1 and ZeRO-3 with "compile": {"deepcompile": true}) need CUDA:
+the pinned sdist by the machinery tools/zero-diff uses (tools/pinned_upstream.site, `--site 0.19.8=pinned`), once
+for the test environment (conftest's pinned_upstream_site, which tests/test_zero_diff.py's tool runs reuse).
+DeepCompile cells (ZeRO-1 and ZeRO-3 with "compile": {"deepcompile": true}) need CUDA:
 they skip on hosts without a GPU; on a GPU host the same worker runs them with DS_ACCELERATOR=cuda.
 """
 
-import glob
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -73,16 +72,12 @@ ZERO_DIFF = load_tool("zero-diff")  # its site environment and its comparison of
 
 
 @pytest.fixture(scope="module")
-def upstream_site(tmp_path_factory):
-    """0.19.8 from the pinned sdist, where tests/test_zero_diff.py's fixture puts it (a "zero-diff" folder of the
-    temporary directory of this pytest run, site-0.19.8 in it): reused if built already, else built there once."""
+def upstream_site(request):
+    """0.19.8 from the pinned sdist: the test environment's one build of it (conftest's pinned_upstream_site, which
+    tests/test_zero_diff.py's tool runs reuse too), built by the first module that needs it."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    base = tmp_path_factory.getbasetemp()
-    for site in sorted(glob.glob(os.path.join(str(base), "zero-diff*", "site-0.19.8"))):
-        if os.path.isdir(os.path.join(site, "deepspeed")):
-            return site
-    return pinned_upstream.site(str(tmp_path_factory.mktemp("zero-diff")), "0.19.8")
+    return request.getfixturevalue("pinned_upstream_site")
 
 
 def site_env(site):

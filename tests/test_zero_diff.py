@@ -50,15 +50,20 @@ def test_normal_form_drops_what_deepspeed_ignores():
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory):
-    """One output folder for the module, so that 0.19.8 is built once (tools/zero-diff --site 0.19.8=pinned)."""
+def out(tmp_path_factory, request):
+    """One output folder for the module, where tools/zero-diff --site 0.19.8=pinned finds 0.19.8 built already: the
+    test environment's one build of it (conftest's pinned_upstream_site, which other modules share), reused."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    return tmp_path_factory.mktemp("zero-diff")
+    folder = tmp_path_factory.mktemp("zero-diff")
+    os.symlink(request.getfixturevalue("pinned_upstream_site"), folder / "site-0.19.8")
+    return folder
 
 
 def run_tool(out, *args):
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    # JIT-built ops in a folder of the tool's own: both sites build deepspeed's CPU communication op under one name,
+    # over each other, and the rest of the suite (other workers meanwhile) would load the other version's build.
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.path.join(out, "torch_extensions"))
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "PYTHONPATH"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, TOOL, "--out", str(out), "--site", "0.19.8=pinned", *args],
