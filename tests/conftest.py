@@ -1,5 +1,6 @@
 import fcntl
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import sys
@@ -68,6 +69,8 @@ def pinned_upstream_site(pin):
     there once: every module, xdist worker and later run of this environment uses that one build (and the ops
     deepspeed JIT-builds for it, whose folders tests name after the site's path). A process that finds another
     building it waits for that build."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed: 0.19.8 is compared with the installed fork")
     sys.path.insert(0, os.path.join(REPO, "tools"))
     import pinned_upstream
     root = os.path.join(sys.prefix, "pinned-upstream")

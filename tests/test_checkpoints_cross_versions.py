@@ -27,9 +27,6 @@ DeepCompile cells (ZeRO-1 and ZeRO-3 with "compile": {"deepcompile": true}) need
 they skip on hosts without a GPU; on a GPU host the same worker runs them with DS_ACCELERATOR=cuda.
 """
 
-import hashlib
-import importlib.machinery
-import importlib.util
 import os
 import sys
 
@@ -40,8 +37,8 @@ sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu", "workers"))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 from dist import DistJob, cuda_device_count  # noqa: E402
-import pinned_upstream  # noqa: E402
 import zero_ckpt_cross  # noqa: E402
+from zero_diff_tool import first_difference, site_env  # noqa: E402
 
 WORKER = os.path.join(REPO, "tests", "gpu", "workers", "zero_ckpt_cross.py")
 UPSTREAM, FORK = "0.19.8", "fork"
@@ -60,41 +57,6 @@ EXPECTED_UPSTREAM_DEVIATIONS = {(stage, key): UPSTREAM_ERROR for stage in (1, 2)
 NOT_READ = "not read: a full read on another rank raised"
 
 
-def load_tool(name):
-    loader = importlib.machinery.SourceFileLoader(name.replace("-", "_"), os.path.join(REPO, "tools", name))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-ZERO_DIFF = load_tool("zero-diff")  # its site environment and its comparison of two records of a cell
-
-
-@pytest.fixture(scope="module")
-def upstream_site(request):
-    """0.19.8 from the pinned sdist: the test environment's one build of it (conftest's pinned_upstream_site, which
-    tests/test_zero_diff.py's tool runs reuse too), built by the first module that needs it."""
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed")
-    return request.getfixturevalue("pinned_upstream_site")
-
-
-def site_env(site):
-    """tools/zero-diff's environment of a site (DS_ACCELERATOR=cpu without GPUs, the site first on PYTHONPATH), and,
-    as tools/bench gives an upstream site: a JIT build folder of its own (deepspeed builds its CPU communication op
-    under one name in every version: two versions sharing a folder rebuild over each other, half a minute each on this
-    host) and TORCH_CUDA_ARCH_LIST without architecture suffixes (which 0.19.8's op builder cannot read)."""
-    env = ZERO_DIFF.site_env(site)
-    if site != ".":
-        base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-        env["TORCH_EXTENSIONS_DIR"] = os.path.join(base, "site-" + hashlib.sha1(site.encode()).hexdigest()[:10])
-        plain = pinned_upstream.plain_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"))
-        if plain:
-            env["TORCH_CUDA_ARCH_LIST"] = plain
-    return env
-
-
 def run_phase(sites, world_size, args, timeout):
     """Both versions' workers side by side: {version: {rank: report}}; fails on a worker that did not end or raised
     outside a cell."""
@@ -111,7 +73,7 @@ def run_phase(sites, world_size, args, timeout):
 
 
 @pytest.fixture(scope="module")
-def runs(upstream_site, tmp_path_factory):
+def runs(pinned_upstream_site, tmp_path_factory):
     """runs(world_size), once per world size: each version saves every cell of this host, then each version resumes
     every cell from both versions' checkpoints:
     {"save": {version: {rank: report}}, "resume": {...}, "world_size": n}."""
@@ -120,7 +82,7 @@ def runs(upstream_site, tmp_path_factory):
     def get(world_size):
         if world_size not in done:
             try:
-                done[world_size] = train(upstream_site, tmp_path_factory, world_size)
+                done[world_size] = train(pinned_upstream_site, tmp_path_factory, world_size)
             except AssertionError as exc:  # once: the other tests of this world size fail with it, not train again
                 done[world_size] = exc
         if isinstance(done[world_size], AssertionError):
@@ -184,11 +146,11 @@ def test_a_checkpoint_resumes_in_the_other_version_as_in_its_own(runs, world_siz
         assert own["global_steps"] == other["global_steps"] == zero_ckpt_cross.SAVE_STEPS, (own, other)
         assert own["loaded"] == other["loaded"]
         assert len(own["losses"]) == zero_ckpt_cross.RESUME_STEPS * CELLS[cell]["grad_accum"]
-        where = ZERO_DIFF.first_difference(own, other)
+        where = first_difference(own, other)
         assert where is None, (f"rank {rank}: {saved_by}'s checkpoint resumed in {resumed_by} differs from its "
                                f"resuming in {saved_by}: {where}")
         unstopped = record(runs, "save", saved_by, rank, cell)["unstopped"]
-        where = ZERO_DIFF.first_difference(unstopped, other)
+        where = first_difference(unstopped, other)
         assert where is None, f"rank {rank}: the resumed run differs from the run that never stopped: {where}"
 
 
@@ -201,7 +163,7 @@ def test_the_comparison_sees_a_learning_rate_0_1_percent_higher(runs, world_size
     for rank in range(runs["world_size"]):
         upstream = record(runs, "resume", UPSTREAM, rank, CONTROL, UPSTREAM)
         perturbed = record(runs, "resume", FORK, rank, CONTROL, "perturbed:" + UPSTREAM)
-        assert ZERO_DIFF.first_difference(upstream, perturbed) is not None, "the perturbed continuation came out equal"
+        assert first_difference(upstream, perturbed) is not None, "the perturbed continuation came out equal"
 
 
 def norm(summary):

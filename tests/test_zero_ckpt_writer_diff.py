@@ -19,8 +19,8 @@ one the table must change. Everything else must equal the fork to the bit, and t
 must differ from the default engine's.
 
 One gloo rank on DeepSpeed's CPU accelerator (tests/test_checkpoint_writer_round_trip.py runs the decoupled writer at
-two); 0.19.8 built from the pinned sdist by tools/pinned_upstream (reused from this pytest run's "zero-diff" folder
-as tests/test_checkpoints_cross_versions.py does, whose fixture and site environment this module uses).
+two); 0.19.8 is the test environment's one build of the pinned sdist (conftest's pinned_upstream_site); each version's
+worker runs in tools/zero-diff's environment of its site.
 """
 
 import os
@@ -31,7 +31,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 from dist import DistJob  # noqa: E402
-from test_checkpoints_cross_versions import ZERO_DIFF, site_env, upstream_site  # noqa: E402,F401 (a fixture)
+from zero_diff_tool import first_difference, site_env  # noqa: E402
 
 WORKER = os.path.join(REPO, "tests", "cpu_workers", "zero_ckpt_writer_diff.py")
 UPSTREAM, FORK = "0.19.8", "fork"
@@ -61,14 +61,14 @@ def key(stage, writer, launcher):
 
 
 @pytest.fixture(scope="module")
-def runs(upstream_site, tmp_path_factory):
+def runs(pinned_upstream_site, tmp_path_factory):
     """Both versions' workers side by side, every cell, writer (and no writer) and launcher: {version: rank 0's
     report}."""
     folder = tmp_path_factory.mktemp("ckpt-writer-diff")
     args = ["--cells", *CELLS.values(), "--writers", "none", *WRITERS, "--launchers", *LAUNCHERS,
             "--deadline", str(TIMEOUT - 30)]
     jobs = {}
-    for version, site in ((UPSTREAM, upstream_site), (FORK, ".")):
+    for version, site in ((UPSTREAM, pinned_upstream_site), (FORK, ".")):
         extra = ["--perturb", ":".join(CONTROL)] if version == FORK else []
         jobs[version] = DistJob(WORKER, [*args, *extra, "--folder", str(folder / version)], nprocs=1,
                                 timeout=TIMEOUT, env=site_env(site)).start()
@@ -96,13 +96,13 @@ def done(reports, version, name):
 def same_run(a, b):
     """Where two records of a round first disagree (the saving run's steps, the weights read right after the load,
     the continuation), or None."""
-    where = ZERO_DIFF.first_difference({**a["before_save"], "params": {}}, {**b["before_save"], "params": {}})
+    where = first_difference({**a["before_save"], "params": {}}, {**b["before_save"], "params": {}})
     if where:
         return f"before the save: {where}"
     if a["after_load"] != b["after_load"]:
         return "fp32 master weights right after the load: " + ", ".join(
             n for n in a["after_load"] if a["after_load"][n] != b["after_load"].get(n))
-    where = ZERO_DIFF.first_difference(a, b)
+    where = first_difference(a, b)
     if not where and a["final_fp32"] != b["final_fp32"]:  # bf16 parameters can round away what the masters show
         where = "final fp32 master weights: " + ", ".join(
             n for n in a["final_fp32"] if a["final_fp32"][n] != b["final_fp32"].get(n))

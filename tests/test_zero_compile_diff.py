@@ -17,8 +17,8 @@ graphs and graph breaks ZeRO's hooks cause) is the same with either backend; onl
 differ. ZERO_COMPILE_DIFF_BACKEND=inductor runs the same test with Inductor.
 
 One gloo rank on DeepSpeed's CPU accelerator: two ranks would run four compiling processes on two cores. 0.19.8 is
-built from the pinned sdist (tools/pinned_upstream), reused from this pytest run's "zero-diff" folder as
-tests/test_checkpoints_cross_versions.py does, whose fixture and site environment this module uses.
+the test environment's one build of the pinned sdist (conftest's pinned_upstream_site); each version's worker runs
+in tools/zero-diff's environment of its site.
 """
 
 import os
@@ -29,7 +29,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 from dist import DistJob  # noqa: E402
-from test_checkpoints_cross_versions import ZERO_DIFF, site_env, upstream_site  # noqa: E402,F401 (a fixture)
+from zero_diff_tool import first_difference, site_env  # noqa: E402
 
 WORKER = os.path.join(REPO, "tests", "cpu_workers", "zero_compile_diff.py")
 UPSTREAM, FORK = "0.19.8", "fork"
@@ -45,11 +45,11 @@ INERT = ("deepcompile-passes-launch-on-calls-of-the-module.patch",
 
 
 @pytest.fixture(scope="module")
-def runs(upstream_site):
+def runs(pinned_upstream_site):
     """Both versions side by side, ZeRO-1 and ZeRO-3; the fork runs the control too, a second process after its
     cells (its ZeRO-1 cell with the learning rate raised by 2**-10): {label: rank 0's report}."""
     common = ["--backend", BACKEND, "--deadline", str(TIMEOUT - 30)]
-    specs = {UPSTREAM: (upstream_site, ["--stages", *map(str, STAGES)]),
+    specs = {UPSTREAM: (pinned_upstream_site, ["--stages", *map(str, STAGES)]),
              FORK: (".", ["--stages", *map(str, STAGES)])}
     jobs = {label: DistJob(WORKER, [*args, *common], nprocs=1, timeout=TIMEOUT, env=site_env(site)).start()
             for label, (site, args) in specs.items()}
@@ -83,7 +83,7 @@ def cell(reports, label, stage):
 def test_engine_compile_trains_as_in_0_19_8(runs, stage):
     upstream, fork = cell(runs, UPSTREAM, stage), cell(runs, FORK, stage)
     assert upstream["lengths"] == fork["lengths"]
-    where = ZERO_DIFF.first_difference(upstream, fork)
+    where = first_difference(upstream, fork)
     assert where is None, f"ZeRO-{stage} under engine.compile() ({BACKEND}): the fork differs from 0.19.8: {where}"
     # The same graphs: a patch that broke a graph differently would show here before any number moved.
     assert upstream["compiled_frames"] == fork["compiled_frames"], (upstream["compiled_frames"],
@@ -92,7 +92,7 @@ def test_engine_compile_trains_as_in_0_19_8(runs, stage):
 
 def test_the_comparison_sees_a_learning_rate_0_1_percent_higher(runs):
     upstream, perturbed = cell(runs, UPSTREAM, CONTROL_STAGE), cell(runs, "control", CONTROL_STAGE)
-    where = ZERO_DIFF.first_difference(upstream, perturbed)
+    where = first_difference(upstream, perturbed)
     assert where is not None, "the perturbed run came out equal"
     # The first micro-batches come before any update: they must still agree, or the runs were not alike to begin with.
     assert upstream["losses"][:2] == perturbed["losses"][:2], where

@@ -1,5 +1,6 @@
 """Upstream's pinned release, installed for side-by-side runs (tools/zero-diff, tools/bench: --site LABEL=pinned)."""
 
+import hashlib
 import os
 import re
 import subprocess
@@ -55,3 +56,17 @@ def plain_arch_list(value):
         return None
     plain = re.sub(r"(\d+\.\d+)[a-zA-Z]+", r"\1", value)
     return plain if plain != value else None
+
+
+def site_env(site, upstream):
+    """What a process importing the deepspeed installed in `site` (a `pip install --target` folder) ahead of the
+    importable one needs in its environment: the site first on PYTHONPATH; a JIT build folder of its own, since
+    deepspeed builds each op under one name in every version and two versions sharing a folder rebuild over each
+    other; and, where `upstream` (an upstream release), TORCH_CUDA_ARCH_LIST without architecture suffixes."""
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    env["TORCH_EXTENSIONS_DIR"] = os.path.join(base, "site-" + hashlib.sha1(site.encode()).hexdigest()[:10])
+    plain = plain_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST")) if upstream else None
+    if plain:
+        env["TORCH_CUDA_ARCH_LIST"] = plain
+    return env
