@@ -302,7 +302,8 @@ class SelectiveGatherLog(logging.Handler):
 
 
 def make_step(subject, model, dev, batch):
-    """A function running one training step of `subject` on `model`; the engine, if any."""
+    """A function running one training step of `subject` on `model`; the engine, if any. The step trains on `batch`,
+    or on the token ids it is given (tools/steady-state: a length of its own every step)."""
     import torch
     fused = dict(fused=True) if dev.type == "cuda" else {}
     ids = batch
@@ -313,9 +314,9 @@ def make_step(subject, model, dev, batch):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
         fwd = torch.compile(model) if subject.startswith("compile") else model
 
-        def step():
+        def step(x=ids):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-                loss = fwd(input_ids=ids, labels=ids).loss
+                loss = fwd(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -334,8 +335,8 @@ def make_step(subject, model, dev, batch):
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
 
-        def step():
-            model(input_ids=ids, labels=ids).loss.backward()
+        def step(x=ids):
+            model(input_ids=x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
@@ -352,8 +353,8 @@ def make_step(subject, model, dev, batch):
     if kind == "dc":
         engine.compile()
 
-    def step():
-        loss = engine(input_ids=ids, labels=ids).loss
+    def step(x=ids):
+        loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
 

@@ -1,0 +1,110 @@
+"""tools/steady-state: a long run with a new padded length every step, each rank its own, and what it records.
+
+On CPU (gloo, DS_ACCELERATOR=cpu) with the `tiny` model: eager ZeRO-3 at two ranks, and torch.compile at one (Inductor
+on CPU), so that the lengths, the per-rank arrays, the compile record and the summary are checked against what the
+ranks did; a rank that stalls must make every rank print its stacks and the run fail. On GPU hosts the same command
+runs DeepCompile ZeRO-3 at 1.5B (docs/bench.md)."""
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOOL = os.path.join(os.path.dirname(HERE), "tools", "steady-state")
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+_loader = importlib.machinery.SourceFileLoader("steady_state", TOOL)
+steady = importlib.util.module_from_spec(importlib.util.spec_from_loader("steady_state", _loader))
+_loader.exec_module(steady)
+
+
+def log_of(out):
+    return open(out + ".log").read()[-4000:] if os.path.exists(out + ".log") else "(no log)"
+
+
+def run(tmp_path, *args, env=None, timeout=600):
+    e = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", **(env or {}))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        e.pop(name, None)
+    out = str(tmp_path / "steady.json")
+    proc = subprocess.run([sys.executable, TOOL, "--model", "tiny", "--out", out, *args], capture_output=True,
+                          text=True, env=e, timeout=timeout)
+    return proc, out
+
+
+def test_lengths_are_padded_within_bounds_and_differ_between_ranks():
+    a, b = (steady.lengths(r, 200, 100, 1000, 64) for r in (0, 1))
+    assert all(100 <= n <= 1000 and (n % 64 == 0 or n == 1000) for n in a + b)
+    assert a != b and len(set(a)) > 10
+    assert steady.lengths(0, 200, 100, 1000, 64) == a  # a restarted run draws the same lengths
+
+
+def test_the_summary_is_that_of_the_slowest_rank_after_the_warmup():
+    ranks = [{"rank": 0, "length": [8, 16, 8, 24], "step_s": [5.0, 1.0, 1.0, 3.0], "allocated": [10, 20, 20, 30],
+              "peak": [40, 40, 40, 50], "graphs": [1, 1, 2, 2]},
+             {"rank": 1, "length": [16, 16, 8, 8], "step_s": [4.0, 2.0, 0.5, 1.0], "allocated": [10, 20, 20, 20],
+              "peak": [40, 40, 40, 40], "graphs": [1, 2, 2, 2]}]
+    s = steady.summarize(ranks, warmup=1)
+    assert s["steps_that_compiled"] == [0, 1, 2] and s["steps_that_compiled_after_warmup"] == [1, 2]
+    assert s["graphs"] == 2 and s["step_s_median"] == 2.0 and s["slowest_step"] == 3 and s["slowest_step_s"] == 3.0
+    assert s["steps_where_ranks_differ"] == 2 and s["distinct_lengths"] == 3
+    assert s["memory"][0]["growth_per_100_steps"] == pytest.approx(500.0) and s["memory"][1]["growth_per_100_steps"] == 0
+
+
+@pytest.mark.parametrize("bad", [["--min-seq", "64", "--seq", "32"], ["--steps", "5", "--warmup", "5"],
+                                 ["--pad-to", "0"]])
+def test_bad_bounds_are_refused_before_anything_runs(tmp_path, bad):
+    proc, out = run(tmp_path, *bad, timeout=60)
+    assert proc.returncode == 2 and "need 0 < --min-seq" in proc.stderr, proc.stderr
+    assert not os.path.exists(out)
+
+
+def test_two_ranks_train_a_new_length_every_step(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    proc, out = run(tmp_path, "--subject", "ds-z3", "--gpus", "2", "--steps", "12", "--warmup", "2", "--seq", "32",
+                    "--min-seq", "8", "--pad-to", "8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr + log_of(out)
+    with open(out) as f:
+        rec = json.load(f)
+    assert [r["rank"] for r in rec["ranks"]] == [0, 1]
+    for r in rec["ranks"]:
+        assert r["length"] == steady.lengths(r["rank"], 12, 8, 32, 8)
+        assert len(r["step_s"]) == len(r["graphs"]) == 12 and all(t > 0 for t in r["step_s"])
+        assert r["allocated"] == [] and r["graphs"] == [0] * 12  # CPU: no device memory; eager: no graph
+    s = rec["summary"]
+    slowest = [max(r["step_s"][i] for r in rec["ranks"]) for i in range(12)]
+    assert s["step_s_median"] == pytest.approx(statistics.median(slowest[2:]))
+    assert s["steps_where_ranks_differ"] > 0 and s["steps_that_compiled"] == [] and "memory" not in s
+    assert "step s after the warm-up" in proc.stdout
+
+
+def test_compiles_are_counted_at_the_steps_that_made_them(tmp_path):
+    pytest.importorskip("transformers")
+    proc, out = run(tmp_path, "--subject", "compile", "--steps", "6", "--warmup", "1", "--seq", "24", "--min-seq", "8",
+                    "--pad-to", "8", timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + log_of(out)
+    with open(out) as f:
+        rec = json.load(f)
+    graphs, length = rec["ranks"][0]["graphs"], rec["ranks"][0]["length"]
+    assert graphs[0] >= 1 and rec["summary"]["steps_that_compiled"][0] == 0
+    # A length not seen before may compile (Dynamo's first recompile makes the length dynamic); a repeated one not.
+    for i in rec["summary"]["steps_that_compiled"][1:]:
+        assert length[i] not in length[:i], (i, length, graphs)
+
+
+def test_a_rank_that_stalls_fails_the_run_with_every_ranks_stacks(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    proc, out = run(tmp_path, "--subject", "ds-z3", "--gpus", "2", "--steps", "8", "--warmup", "2", "--seq", "16",
+                    "--min-seq", "8", "--pad-to", "8", "--step-deadline-s", "10", env={"STEADY_STATE_STALL": "1:3"})
+    assert proc.returncode != 0 and "the run failed" in proc.stderr and not os.path.exists(out)
+    log = open(out + ".log").read()
+    # faulthandler's dump of each rank: the one stalled in the tool, the other waiting in the next step's gathers.
+    assert log.count("Timeout (0:00:10)!") == 2, log[-6000:]
+    assert log.count("in worker") >= 2, log[-6000:]
