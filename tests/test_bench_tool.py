@@ -355,6 +355,22 @@ def test_upstream_sites_build_their_ops_for_plain_architectures(value, plain):
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved
 
 
+def test_a_site_reached_through_a_link_shares_the_ops_built_for_its_folder(tmp_path, monkeypatch):
+    """The suite's differential tests reach its one install of 0.19.8 through links (tools/zero-diff's
+    OUT/site-0.19.8): the import path and the JIT build folder are those of the folder linked to, so its ops' sources
+    keep their paths and ninja finds them built, where a build folder of the link's own built them again (a minute
+    of CPU a site). Another folder still gets a build folder of its own."""
+    import pinned_upstream
+    site, other, link = tmp_path / "site", tmp_path / "other", tmp_path / "out" / "site-0.19.8"
+    site.mkdir(), other.mkdir(), link.parent.mkdir()
+    link.symlink_to(site)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    through_link, direct = pinned_upstream.site_env(str(link), True), pinned_upstream.site_env(str(site), True)
+    assert through_link == direct and through_link["PYTHONPATH"] == str(site)
+    assert pinned_upstream.site_env(str(other), True)["TORCH_EXTENSIONS_DIR"] != direct["TORCH_EXTENSIONS_DIR"]
+
+
 @pytest.mark.parametrize("version, upstream", [("0.19.8", True), ("0.19.8+fork.32", False), (None, False)])
 def test_a_site_installed_from_upstreams_wheel_gets_plain_architectures(tmp_path, monkeypatch, version, upstream):
     """`--site v0198=DIR`, DIR a `pip install --target` of 0.19.8's wheel, failed its JIT build on a 9.0a

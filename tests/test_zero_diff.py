@@ -58,9 +58,9 @@ def out(tmp_path_factory, pinned_upstream_site):
 
 
 def run_tool(out, *args):
-    # JIT-built ops in a folder of the tool's own: both sites build deepspeed's CPU communication op under one name,
-    # over each other, and the rest of the suite (other workers meanwhile) would load the other version's build.
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.path.join(out, "torch_extensions"))
+    # JIT-built ops where the rest of the suite has them: the tool gives 0.19.8's site a build folder of its own
+    # (pinned_upstream.site_env, by the site's real path: the one the conftest's build already filled).
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "PYTHONPATH"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, TOOL, "--out", str(out), "--site", "0.19.8=pinned", *args],

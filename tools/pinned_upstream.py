@@ -62,7 +62,10 @@ def site_env(site, upstream):
     """What a process importing the deepspeed installed in `site` (a `pip install --target` folder) ahead of the
     importable one needs in its environment: the site first on PYTHONPATH; a JIT build folder of its own, since
     deepspeed builds each op under one name in every version and two versions sharing a folder rebuild over each
-    other; and, where `upstream` (an upstream release), TORCH_CUDA_ARCH_LIST without architecture suffixes."""
+    other; and, where `upstream` (an upstream release), TORCH_CUDA_ARCH_LIST without architecture suffixes.
+    A site is taken by its real path: reached through a link, it shares the build folder of the folder linked to, and
+    its ops' sources have the same paths there, so ninja finds them built (a build is a minute of CPU a site)."""
+    site = os.path.realpath(site)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
     env["TORCH_EXTENSIONS_DIR"] = os.path.join(base, "site-" + hashlib.sha1(site.encode()).hexdigest()[:10])
