@@ -136,6 +136,11 @@ def main():
     if RESULT_DIR_ENV in os.environ:
         with open(result_path(), "w") as f:
             json.dump(report, f)
+    # End as a program should, with the process group destroyed: one left to the interpreter's shutdown may abort
+    # there under gloo, after the report ("terminate called without an active exception", exit -6:
+    # https://github.com/pytorch/pytorch/issues/190489). --end-after-save ends as a Trainer does after its last save.
+    if not args.end_after_save and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
