@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import tool_module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "bench")
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -168,14 +170,7 @@ def test_a_subject_cut_short_is_marked_as_such_in_the_table(tmp_path):
 
 
 def _cli():
-    import importlib.machinery
-    import importlib.util
-    sys.path.insert(0, os.path.dirname(TOOL))
-    loader = importlib.machinery.SourceFileLoader("bench_cli", TOOL)
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    cli = importlib.util.module_from_spec(spec)
-    loader.exec_module(cli)
-    return cli
+    return tool_module.load("bench")
 
 
 def test_the_warm_up_keeps_what_selective_gather_decided_and_restores_the_log_level():

@@ -1,22 +1,18 @@
 """tools/bench-trainer and its phase accounting (tests/gpu/workers/compile_phases.py), on CPU."""
 
-import importlib.machinery
-import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
+
+import tool_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "bench-trainer")
 
 
 def _tool():
-    loader = importlib.machinery.SourceFileLoader("bench_trainer", TOOL)
-    spec = importlib.util.spec_from_loader("bench_trainer", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return tool_module.load("bench-trainer")
 
 
 def test_phase_accounting_counts_each_compile_phase_once_per_outermost_call():

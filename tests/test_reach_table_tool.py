@@ -1,14 +1,14 @@
 """tools/reach-table: README.md's patch list and docs/eager-zero-audit.md's table are what the tool makes of the
 patch headers' X-Reach fields; a header changed without regenerating them fails the check."""
 
-import importlib.machinery
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 
 from forkbuild import series
+
+import tool_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "reach-table")
@@ -71,8 +71,6 @@ def test_a_patch_whose_reach_it_cannot_read_is_a_clear_error(tmp_path):
 
 
 def test_every_reach_value_has_a_readme_group():
-    loader = importlib.machinery.SourceFileLoader("reach_table", TOOL)
-    tool = importlib.util.module_from_spec(importlib.util.spec_from_loader("reach_table", loader))
-    loader.exec_module(tool)
+    tool = tool_module.load("reach-table")
     grouped = [v for _, values in tool.GROUPS for v in values]
     assert sorted(grouped) == sorted(series.REACH), "a value in no README group drops its patches from the list"

@@ -5,8 +5,6 @@ on CPU), so that the lengths, the per-rank arrays, the compile record and the su
 ranks did; a rank that stalls must make every rank print its stacks and the run fail. On GPU hosts the same command
 runs DeepCompile ZeRO-3 at 1.5B (docs/bench.md)."""
 
-import importlib.machinery
-import importlib.util
 import json
 import os
 import statistics
@@ -15,12 +13,11 @@ import sys
 
 import pytest
 
+import tool_module
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOOL = os.path.join(os.path.dirname(HERE), "tools", "steady-state")
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
-_loader = importlib.machinery.SourceFileLoader("steady_state", TOOL)
-steady = importlib.util.module_from_spec(importlib.util.spec_from_loader("steady_state", _loader))
-_loader.exec_module(steady)
+steady = tool_module.load("steady-state")
 
 
 def log_of(out):

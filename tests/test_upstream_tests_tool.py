@@ -1,7 +1,5 @@
 """tools/upstream-tests on a tiny fake upstream tests/ tree and fake deepspeed packages (fast, CPU only)."""
 
-import importlib.machinery
-import importlib.util
 import json
 import re
 import os
@@ -13,6 +11,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+import tool_module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "upstream-tests")
 sys.path.insert(0, os.path.join(REPO, "tools"))
@@ -20,11 +20,7 @@ from upstream_tests import report  # noqa: E402
 
 
 def _load_tool():
-    loader = importlib.machinery.SourceFileLoader("upstream_tests_cli", TOOL)
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return tool_module.load("upstream-tests")
 
 
 cli = _load_tool()
