@@ -31,7 +31,7 @@ import torch
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(TESTS, "gpu", "workers"), os.path.join(TESTS, "gpu")]
-from founding_common import ensure_dist_env  # noqa: E402
+from founding_common import ensure_dist_env, init_distributed  # noqa: E402
 from dist import RESULT_DIR_ENV, result_path  # noqa: E402
 
 PREFIX = "ROUND_TRIP_REPORT "
@@ -74,7 +74,7 @@ def main():
     report = {"reached": "start", "error": None}
     try:
         import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo")
+        init_distributed("gloo")
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
         config = {
@@ -136,11 +136,6 @@ def main():
     if RESULT_DIR_ENV in os.environ:
         with open(result_path(), "w") as f:
             json.dump(report, f)
-    # End as a program should, with the process group destroyed: one left to the interpreter's shutdown may abort
-    # there under gloo, after the report ("terminate called without an active exception", exit -6:
-    # https://github.com/pytorch/pytorch/issues/190489). --end-after-save ends as a Trainer does after its last save.
-    if not args.end_after_save and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

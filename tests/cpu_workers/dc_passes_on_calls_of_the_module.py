@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
-from founding_common import ensure_dist_env  # noqa: E402
+from founding_common import ensure_dist_env, init_distributed  # noqa: E402
 
 PREFIX = "PASSES_REPORT "
 
@@ -52,7 +52,7 @@ def main():
     import deepspeed.compile.init_z1_and_2 as init_z12
     import deepspeed.compile.init_z3 as init_z3
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed("gloo")
     for name, module in list(sys.modules.items()):
         if name.startswith("deepspeed") and hasattr(module, "get_deepcompile_handle"):
             module.get_deepcompile_handle = _NoOp

@@ -29,6 +29,9 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import init_distributed  # noqa: E402
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -303,7 +306,7 @@ def main():
     path = os.path.join(os.environ["DIST_RESULT_DIR"], f"rank{rank}.json")
     try:
         import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo")
+        init_distributed("gloo")
         report["deepspeed_version"] = deepspeed.__version__
         use_fake_deepcompile_op()
         for name, deepcompile in (("eager", False), ("deepcompile", True)):

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
-from founding_common import ensure_dist_env  # noqa: E402
+from founding_common import ensure_dist_env, init_distributed  # noqa: E402
 
 LR, WEIGHT_DECAY, STEPS = 1e-2, 0.1, 3
 # `--cuda-fp16-fused` (tests/gpu/test_zero0_fused_fp16_starts_at_step_zero.py): on a GPU in fp16 with DeepSpeed's
@@ -114,8 +114,7 @@ def reference_run():
 
 def main():
     ensure_dist_env()
-    import deepspeed
-    deepspeed.init_distributed(dist_backend="nccl" if CUDA_FP16_FUSED else "gloo")
+    init_distributed("nccl" if CUDA_FP16_FUSED else "gloo")
     out = {"zero0": engine_run(0), "zero1": engine_run(1)}
     if not CUDA_FP16_FUSED:
         out.update(reference=reference_run(), fused=fused_wrapper_run())

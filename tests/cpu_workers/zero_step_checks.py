@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
-from founding_common import ensure_dist_env  # noqa: E402
+from founding_common import ensure_dist_env, init_distributed  # noqa: E402
 
 LAYERS = 12
 WIDTH = 16
@@ -189,7 +189,7 @@ def main(argv):
         LAYERS, argv = int(argv[1]), argv[2:]
     ensure_dist_env()
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed("gloo")
     report = {"deepspeed_version": deepspeed.__version__, "layers": LAYERS, "cases": {}}
     for name in argv or list(CASES):
         report["cases"][name] = run_case(name)

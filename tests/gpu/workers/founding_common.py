@@ -37,6 +37,18 @@ def ensure_dist_env():
     return True
 
 
+def init_distributed(backend):
+    """deepspeed.init_distributed(backend), and the process group destroyed when the process ends (atexit, while the
+    interpreter is whole): a gloo group left to the interpreter's shutdown may abort the process there, after its
+    work is done and reported (exit -6, "terminate called without an active exception":
+    https://github.com/pytorch/pytorch/issues/190489). Workers started through run_worker destroy it themselves."""
+    import atexit
+    import deepspeed
+    import torch.distributed as torch_dist
+    deepspeed.init_distributed(dist_backend=backend)
+    atexit.register(lambda: torch_dist.is_initialized() and torch_dist.destroy_process_group())
+
+
 def mib(nbytes):
     return round(nbytes / MIB, 2)
 
