@@ -6,6 +6,7 @@ ranks did; a rank that stalls must make every rank print its stacks and the run 
 runs DeepCompile ZeRO-3 at 1.5B (docs/bench.md)."""
 
 import json
+import re
 import os
 import statistics
 import subprocess
@@ -51,6 +52,26 @@ def test_the_summary_is_that_of_the_slowest_rank_after_the_warmup():
     assert s["graphs"] == 2 and s["step_s_median"] == 2.0 and s["slowest_step"] == 3 and s["slowest_step_s"] == 3.0
     assert s["steps_where_ranks_differ"] == 2 and s["distinct_lengths"] == 3
     assert s["memory"][0]["growth_per_100_steps"] == pytest.approx(500.0) and s["memory"][1]["growth_per_100_steps"] == 0
+
+
+def test_steps_training_a_length_new_to_a_rank_are_told_from_the_others():
+    ranks = [{"rank": 0, "length": [8, 16, 8, 16, 24], "step_s": [9.0, 3.0, 1.0, 1.0, 4.0], "graphs": [1] * 5,
+              "allocated": [], "peak": []},
+             {"rank": 1, "length": [8, 8, 8, 8, 8], "step_s": [9.0, 3.0, 1.0, 1.0, 4.0], "graphs": [1] * 5,
+              "allocated": [], "peak": []}]
+    b = steady.summarize(ranks, warmup=1)["after_warmup_by_length"]
+    assert b == {"new": {"steps": 2, "median": 3.5, "last": 4}, "seen": {"steps": 2, "median": 1.0, "last": 3}}
+
+
+def test_the_bench_page_shows_what_the_tool_renders_of_its_record():
+    page = os.path.join(os.path.dirname(HERE), "docs", "bench.md")
+    with open(page) as f:
+        m = re.search(r"<!-- steady-state: (\S+) -->\n```\n(.*?)```\n<!-- /steady-state -->", f.read(), re.S)
+    assert m, "docs/bench.md has no steady-state markers"
+    proc = subprocess.run([sys.executable, TOOL, "--render", os.path.join(os.path.dirname(HERE), m.group(1))],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert m.group(2) == proc.stdout, "docs/bench.md's steady-state block differs from the tool's: regenerate it"
 
 
 @pytest.mark.parametrize("bad", [["--min-seq", "64", "--seq", "32"], ["--steps", "5", "--warmup", "5"],
