@@ -86,6 +86,53 @@ def test_flops_leave_out_the_embedding_and_the_experts_a_token_skips(model, skip
     assert n_not_computed == built.get_input_embeddings().weight.numel() + experts * skipped_share
 
 
+CAUSAL_PROBE = """
+import sys, torch, transformers
+sys.path.insert(0, sys.argv[1])
+import bench_step
+cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=64)
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+ids = torch.randint(0, 64, (1, 16))
+calls = []
+
+def backend(gm, example_inputs):
+    for n in gm.graph.nodes:
+        if "scaled_dot_product_attention" in str(n.target):
+            calls.append((n.kwargs.get("attn_mask") is not None, n.kwargs.get("is_causal")))
+    return gm.forward
+
+def sdpa_calls():
+    torch._dynamo.reset()
+    calls.clear()
+    logits = torch.compile(model, backend=backend)(input_ids=ids).logits
+    return sorted(set(calls)), logits
+
+print("before", *sdpa_calls()[0])
+eager = model(input_ids=ids).logits
+bench_step.skip_causal_mask_under_compile()
+after, logits = sdpa_calls()
+print("after", *after)
+print("equal", torch.allclose(logits, eager, atol=1e-6))
+"""
+
+
+def test_causal_subjects_compile_sdpa_without_a_mask_and_the_same_logits():
+    """Whole-model compiles on transformers <= 5.17 (any torch) or torch < 2.14 pass SDPA a materialized causal mask,
+    which its flash kernel does not take; a `-causal` subject gets no mask and is_causal=True, as in eager, and the
+    same logits."""
+    pytest.importorskip("transformers")
+    proc = subprocess.run([sys.executable, "-c", CAUSAL_PROBE, os.path.join(REPO, "tools")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines["after"] == "(False, True)" and lines["equal"] == "True", proc.stdout
+    import torch
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14):
+        assert lines["before"] == "(True, False)", proc.stdout  # the defect the subjects work around
+
+
 def test_only_keeps_the_named_subjects_of_each_group():
     (name, model, seq, batch, groups), = parse_sets("default", "dc-z1,compile")
     assert (name, model) == ("default", SETS["default"][0])

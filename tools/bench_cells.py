@@ -5,7 +5,8 @@ with fp32 weights and optimizer states and bf16 autocast, the precision of DeepS
 DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`; `dc-zN-bf16` without fp32
 master weights; `dc-z3-pad` with Inductor's `force_shape_pad`, padding every matmul of odd size without a benchmark;
 `dc-z3-rbauto` and `dc-z3-rb1e8` with a reduce bucket of what the Hugging Face Trainer fills in for "auto", hidden
-size squared, or of 10**8 elements, where DeepSpeed's default is 5e8),
+size squared, or of 10**8 elements, where DeepSpeed's default is 5e8; `-causal` with transformers passing SDPA no
+causal mask under torch.compile, as newer transformers and torch do: bench_step.skip_causal_mask_under_compile),
 or FSDP2 with a `torch.compile` per block (`fsdp2`). Every subject trains the same model from the same
 seed with AdamW (torch's fused implementation: the optimizer a PyTorch user would pick; DeepSpeed gets it as the client
 optimizer) on bf16: DeepSpeed and FSDP2 keep fp32 master weights, gradients and optimizer states (`dc-zN-bf16`: bf16
@@ -58,7 +59,8 @@ MODELS = {
 }
 
 SUBJECTS = ("torch", "compile", "compile-amp", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2",
-            "dc-z3", "dc-z1-bf16", "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "fsdp2")
+            "dc-z3", "dc-z1-bf16", "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "fsdp2", "compile-causal",
+            "dc-z1-causal", "dc-z3-causal")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 
@@ -97,7 +99,10 @@ SETS = {
     "warmup-1.5b-32l": ("llama-1.5b-32l", 4096, 1, [["dc-z3"], ["fsdp2"]]),
     "size-0.5b": ("llama-0.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
     "size-1.5b": ("llama-1.5b", 4096, 1, [["dc-z3"], ["dc-z1"], ["fsdp2"], ["ds-z3"]]),
-    "size-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"]]),
+    "size-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"], ["dc-z1"]]),
+    # DeepCompile's whole-model graph with SDPA's flash kernel, as fsdp2's per-block graphs get it.
+    "size-8b-causal": ("llama-8b", 4096, 1, [["dc-z3-causal"], ["fsdp2"], ["dc-z1-causal"]]),
+    "size-1.5b-causal": ("llama-1.5b", 4096, 1, [["dc-z3-causal", "dc-z3"], ["fsdp2"]]),
     # https://github.com/deepspeedai/DeepSpeed/pull/8036's setting, with --gpus 8 and a --site for each version:
     # DeepCompile ZeRO-1's step and peak memory, the fork against 0.19.8.
     "founding-8036": ("qwen3-8b", 4096, 1, [["dc-z1"]]),

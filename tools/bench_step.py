@@ -301,12 +301,43 @@ class SelectiveGatherLog(logging.Handler):
         return self.lines
 
 
+def skip_causal_mask_under_compile():
+    """Make transformers pass SDPA no mask and is_causal=True under torch.compile, as it does in eager, when no token is
+    padded (no attention mask given): the `-causal` subjects.
+
+    transformers decides in masking_utils._ignore_causal_mask_sdpa. Up to 5.17 it never skips the mask while Dynamo
+    traces; from 5.18 it skips it when there is no padding mask to read, but only on torch >= 2.14, where Dynamo stops
+    folding torch.compiler.is_exporting() to True. A whole-model compile (DeepCompile compiles the whole model) on
+    older versions gets a materialized causal mask, which SDPA's flash kernel does not take; a per-block compile
+    (fsdp2) builds the mask outside the compiled code and does not. The bench never exports and passes no padding."""
+    import inspect
+    import torch
+    import transformers.masking_utils as masking_utils
+    decide = masking_utils._ignore_causal_mask_sdpa
+    params = inspect.signature(decide)
+
+    def ignore_causal_mask_sdpa(*args, **kwargs):
+        a = params.bind(*args, **kwargs)
+        a.apply_defaults()
+        v = a.arguments
+        window = v.get("local_attention_size")
+        if v["padding_mask"] is None and not isinstance(v["q_offset"], torch.Tensor) and not (
+                window is not None and v["kv_length"] >= window):
+            return v["q_length"] == 1 or v["kv_length"] == v["q_length"] or v["q_offset"] == 0
+        return decide(*args, **kwargs)
+
+    masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
+
+
 def make_step(subject, model, dev, batch):
     """A function running one training step of `subject` on `model`; the engine, if any. The step trains on `batch`,
     or on the token ids it is given (tools/steady-state: a length of its own every step)."""
     import torch
     fused = dict(fused=True) if dev.type == "cuda" else {}
     ids = batch
+    if subject.endswith("-causal"):
+        skip_causal_mask_under_compile()
+        subject = subject.removesuffix("-causal")
     if subject in ("torch", "compile", "compile-amp"):
         # compile-amp: what DeepSpeed's bf16 keeps, fp32 weights and optimizer states, with bf16 compute (autocast).
         amp = subject == "compile-amp"
