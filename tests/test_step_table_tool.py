@@ -26,6 +26,32 @@ def test_the_pages_table_is_generated_from_the_run_records_it_names():
     assert m.group(2) == proc.stdout, "docs/bench.md's table differs from tools/step-table's: regenerate it"
 
 
+def test_the_pages_profile_table_is_generated_from_the_run_records_it_names():
+    with open(PAGE) as f:
+        page = f.read()
+    m = re.search(r"<!-- profile-table: (.*?) -->\n(.*?)<!-- /profile-table -->", page, re.S)
+    assert m, "docs/bench.md has no profile-table markers"
+    proc = step_table("--profiles", *m.group(1).split())
+    assert proc.returncode == 0, proc.stderr
+    assert m.group(2) == proc.stdout, "docs/bench.md's profile table differs from tools/step-table's: regenerate it"
+
+
+def test_the_profile_table_has_a_row_for_each_profiled_row_only(tmp_path):
+    profile = {"wall_ms": 700.0, "device_busy_ms": 500.0, "device_idle_ms": 200.0, "exposed_communication_ms": 57.0,
+               "device_ms": {"matmul": 262.0, "attention": 115.0, "communication": 105.5}, "host_aten_ops": 9128.0}
+    run = {"device": "NVIDIA H200", "rows": [
+        {"model": "llama-8b", "seq": 4096, "subject": "dc-z3", "deepspeed": "0.19.8+fork.39", "gpus": 4,
+         "profile": profile},
+        {"model": "llama-8b", "seq": 4096, "subject": "fsdp2", "gpus": 4, "step_s": 0.5}]}
+    path = tmp_path / "bench-p.json"
+    path.write_text(json.dumps(run))
+    out = step_table("--profiles", str(path))
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| p |")]
+    assert rows == ["| p | 4x H200 | llama-8b, 4096 | dc-z3 | fork.39 | 700.0 | 500.0 | 200.0 | 57.0 | 262.0 | "
+                    "115.0 | 105.5 | 0.0 | 0.0 | 0.0 | 9,128 |"], out.stdout
+
+
 def test_rows_per_gpu_versions_and_rows_never_timed(tmp_path):
     run = {"device": "NVIDIA H100 80GB HBM3", "rows": [
         {"model": "llama-1.5b", "seq": 4096, "subject": "dc-z3", "deepspeed": "0.19.8+fork.33", "gpus": 4,
