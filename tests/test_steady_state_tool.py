@@ -126,3 +126,40 @@ def test_a_rank_that_stalls_fails_the_run_with_every_ranks_stacks(tmp_path):
     # faulthandler's dump of each rank: the one stalled in the tool, the other waiting in the next step's gathers.
     assert log.count("Timeout (0:00:10)!") == 2, log[-6000:]
     assert log.count("in worker") >= 2, log[-6000:]
+
+
+def test_a_launcher_stopped_from_outside_leaves_every_ranks_stacks_and_no_rank_behind(tmp_path):
+    """A shell's timeout stops the launcher, not the ranks, which run in a session of their own: they used to outlive
+    it silently, holding the GPUs into the next command."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    import signal
+    import time
+    out = str(tmp_path / "steady.json")
+    e = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", STEADY_STATE_STALL="1:3")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        e.pop(name, None)
+    p = subprocess.Popen([sys.executable, TOOL, "--model", "tiny", "--out", out, "--subject", "ds-z3", "--gpus", "2",
+                          "--steps", "8", "--warmup", "2", "--seq", "16", "--min-seq", "8", "--pad-to", "8",
+                          "--step-deadline-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=e)
+    deadline = time.monotonic() + 400
+    while "stalls at step 3" not in (open(out + ".log").read() if os.path.exists(out + ".log") else ""):
+        assert p.poll() is None and time.monotonic() < deadline, log_of(out)
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode != 0 and "stopped by signal" in stderr, stderr
+    log = open(out + ".log").read()
+    # Both ranks' stacks (the stalled one, the one waiting in the step's collectives), printed at once: their
+    # lines interleave, but faulthandler writes each thread's heading whole.
+    assert log.count("Current thread 0x") >= 2, log[-6000:]
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if out.encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert not left, f"processes of the run left behind: {left}"
