@@ -25,13 +25,18 @@ def log_of(out):
     return open(out + ".log").read()[-4000:] if os.path.exists(out + ".log") else "(no log)"
 
 
-def run(tmp_path, *args, env=None, timeout=600):
-    e = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", **(env or {}))
+def cpu_env(**extra):
+    """The tool on CPU, with none of a rendezvous this process may have inherited."""
+    e = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", **extra)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
         e.pop(name, None)
+    return e
+
+
+def run(tmp_path, *args, env=None, timeout=600):
     out = str(tmp_path / "steady.json")
     proc = subprocess.run([sys.executable, TOOL, "--model", "tiny", "--out", out, *args], capture_output=True,
-                          text=True, env=e, timeout=timeout)
+                          text=True, env=cpu_env(**(env or {})), timeout=timeout)
     return proc, out
 
 
@@ -136,9 +141,7 @@ def test_a_launcher_stopped_from_outside_leaves_every_ranks_stacks_and_no_rank_b
     import signal
     import time
     out = str(tmp_path / "steady.json")
-    e = dict(os.environ, DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", STEADY_STATE_STALL="1:3")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        e.pop(name, None)
+    e = cpu_env(STEADY_STATE_STALL="1:3")
     p = subprocess.Popen([sys.executable, TOOL, "--model", "tiny", "--out", out, "--subject", "ds-z3", "--gpus", "2",
                           "--steps", "8", "--warmup", "2", "--seq", "16", "--min-seq", "8", "--pad-to", "8",
                           "--step-deadline-s", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
