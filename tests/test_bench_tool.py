@@ -1,5 +1,6 @@
 """tools/bench on the CPU: a real run of the tiny cell set through the whole protocol, and its refusals."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -469,6 +470,74 @@ def test_split_trace_reads_the_kernels_of_a_profiled_trace(tmp_path):
     trace.write_text(json.dumps({"traceEvents": events[2:3] + events[5:]}))
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
     assert proc.returncode == 2 and "no device kernels" in proc.stderr, proc.stderr
+
+
+def test_split_trace_says_which_phase_left_which_collective_exposed(tmp_path):
+    """57 ms of an 8B step's communication ran exposed, and the trace's totals could not say whether the forward's
+    all-gathers or the backward's reduce-scatters were waited for: each kernel goes to the phase whose host range
+    launched it (by its launch's correlation id)."""
+    trace = tmp_path / "t.json"
+
+    def launch(ts, corr):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+    def kernel(name, ts, dur, corr):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [{"cat": "user_annotation", "name": "bench:forward", "ts": 0, "dur": 100},
+              {"cat": "user_annotation", "name": "bench:backward", "ts": 100, "dur": 100},
+              {"cat": "user_annotation", "name": "bench:optimizer", "ts": 200, "dur": 50},
+              launch(1, 1), kernel("ncclDevKernel_AllGather_RING_LL(int)", 10, 3000, 1),   # 1000 hidden by the gemm
+              launch(2, 2), kernel("nvjet_gemm", 2010, 4000, 2),
+              launch(110, 3), kernel("nvjet_gemm", 6000, 3000, 3),
+              launch(120, 4), kernel("ncclDevKernel_ReduceScatter_Sum(int)", 8000, 4000, 4),  # 3000 exposed
+              {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 210, "dur": 1, "args": {"correlation": 5}},
+              kernel("multi_tensor_apply_kernel", 12000, 1000, 5),
+              kernel("ncclDevKernel_AllReduce_Sum(int)", 13000, 300, 6)]                    # no launch recorded
+    trace.write_text(json.dumps({"traceEvents": events}))
+    proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    phases = json.loads(proc.stdout)["phases"]  # 3 steps: ms per step
+    assert set(phases) == {"forward", "backward", "optimizer", "unattributed"}
+    assert phases["forward"]["exposed_communication_ms"] == pytest.approx(2 / 3)
+    assert phases["forward"]["exposed_by_collective"] == {"ncclDevKernel_AllGather_RING_LL": pytest.approx(
+        {"per_step": 1 / 3, "ms": 1.0, "exposed_ms": 2 / 3})}
+    assert phases["backward"]["exposed_communication_ms"] == pytest.approx(1.0)
+    assert phases["backward"]["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 4 / 3})
+    assert phases["optimizer"]["exposed_communication_ms"] == 0
+    assert phases["unattributed"]["exposed_communication_ms"] == pytest.approx(0.1)
+    # the longest waits, each where it came in its phase: the all-gather first thing in the forward
+    assert phases["backward"]["longest_waits"] == [{"exposed_ms": 3.0, "collective_ms": 4.0, "at_ms": 2.0,
+                                                    "collective": "ncclDevKernel_ReduceScatter_Sum"}]
+    assert phases["forward"]["longest_waits"][0]["at_ms"] == 0.0
+    assert phases["forward"]["longest_waits"][0]["exposed_ms"] == pytest.approx(2.0)
+
+
+def test_a_profiled_step_records_its_phases_for_the_trace_split(tmp_path):
+    """The phase split reads `bench:` ranges; every kind of subject's step has to record them while profiled, and
+    only then."""
+    import torch
+    import bench_step
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        with bench_step.phase("forward"):
+            loss = model(torch.ones(2, 4)).sum()
+        with bench_step.phase("backward"):
+            loss.backward()
+        with bench_step.phase("optimizer"):
+            opt.step()
+
+    trace = tmp_path / "t.json"
+    bench_step.profile_steps(step, torch.device("cpu"), 2, str(trace))
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]
+             if e.get("cat") == "user_annotation" and e["name"].startswith("bench:")]
+    assert sorted(names) == sorted(["bench:forward", "bench:backward", "bench:optimizer"] * 2)
+    assert isinstance(bench_step.phase("forward"), contextlib.nullcontext)
+    source = open(bench_step.__file__).read()
+    for body in source.split("def step(x=ids):")[1:]:
+        assert all(f'phase("{p}")' in body.split("return step")[0] for p in bench_step.PHASES), body[:200]
 
 
 def test_weak_scaling_is_tokens_per_gpu_against_the_smallest_world_size(tmp_path):

@@ -42,14 +42,20 @@ def test_the_profile_table_has_a_row_for_each_profiled_row_only(tmp_path):
     run = {"device": "NVIDIA H200", "rows": [
         {"model": "llama-8b", "seq": 4096, "subject": "dc-z3", "deepspeed": "0.19.8+fork.39", "gpus": 4,
          "profile": profile},
-        {"model": "llama-8b", "seq": 4096, "subject": "fsdp2", "gpus": 4, "step_s": 0.5}]}
+        {"model": "llama-8b", "seq": 4096, "subject": "fsdp2", "gpus": 4, "step_s": 0.5},
+        {"model": "llama-8b", "seq": 4096, "subject": "dc-z3-causal", "deepspeed": "0.19.8+fork.40", "gpus": 4,
+         "profile": dict(profile, phases={"forward": {"exposed_communication_ms": 8.94},
+                                          "backward": {"exposed_communication_ms": 4.1}})}]}
     path = tmp_path / "bench-p.json"
     path.write_text(json.dumps(run))
     out = step_table("--profiles", str(path))
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("| p |")]
-    assert rows == ["| p | 4x H200 | llama-8b, 4096 | dc-z3 | fork.39 | 700.0 | 500.0 | 200.0 | 57.0 | 262.0 | "
-                    "115.0 | 105.5 | 0.0 | 0.0 | 0.0 | 9,128 |"], out.stdout
+    assert rows == ["| p | 4x H200 | llama-8b, 4096 | dc-z3 | fork.39 | 700.0 | 500.0 | 200.0 | 57.0 | - | 262.0 | "
+                    "115.0 | 105.5 | 0.0 | 0.0 | 0.0 | 9,128 |",
+                    # where the trace's split says which phase left communication exposed
+                    "| p | 4x H200 | llama-8b, 4096 | dc-z3-causal | fork.40 | 700.0 | 500.0 | 200.0 | 57.0 | "
+                    "8.9 / 4.1 / - | 262.0 | 115.0 | 105.5 | 0.0 | 0.0 | 0.0 | 9,128 |"], out.stdout
 
 
 def test_rows_per_gpu_versions_and_rows_never_timed(tmp_path):

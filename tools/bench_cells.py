@@ -102,6 +102,10 @@ SETS = {
     "size-8b": ("llama-8b", 4096, 1, [["dc-z3"], ["fsdp2"], ["ds-z3"], ["dc-z1"]]),
     # DeepCompile's whole-model graph with SDPA's flash kernel, as fsdp2's per-block graphs get it.
     "size-8b-causal": ("llama-8b", 4096, 1, [["dc-z3-causal"], ["fsdp2"], ["dc-z1-causal"]]),
+    # The 8B model's width at 8 and 16 layers: where its step goes (--profile), in a fraction of the 8B model's
+    # warm-up; at 16 layers the parameters exceed what DeepCompile's prefetch pass keeps in flight (4 GB).
+    **{f"step-8b-{n}l": (f"llama-8b-{n}l", 4096, 1, [["dc-z3"], ["dc-z3-causal"], ["fsdp2"], ["dc-z1-causal"]])
+       for n in (8, 16)},
     "size-1.5b-causal": ("llama-1.5b", 4096, 1, [["dc-z3-causal", "dc-z3"], ["fsdp2"]]),
     # https://github.com/deepspeedai/DeepSpeed/pull/8036's setting, with --gpus 8 and a --site for each version:
     # DeepCompile ZeRO-1's step and peak memory, the fork against 0.19.8.

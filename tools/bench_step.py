@@ -14,6 +14,8 @@ prints every thread's Python stack and exits (faulthandler), so a hang is a fail
 """
 
 import argparse
+import bisect
+import contextlib
 import faulthandler
 import json
 import logging
@@ -130,18 +132,36 @@ def communication_kernels(kernels, n):
     return out
 
 
+PHASES = ("forward", "backward", "optimizer")
+_phase_ranges = False
+
+
+def phase(name):
+    """A `bench:NAME` record_function range around one phase of a step while profile_steps runs (split_chrome_trace
+    sorts each kernel into the phase that launched it); nothing outside profiling."""
+    if not _phase_ranges:
+        return contextlib.nullcontext()
+    import torch
+    return torch.profiler.record_function(f"bench:{name}")
+
+
 def profile_steps(step, dev, n, trace):
     """Run n steps under torch.profiler; write the Chrome trace to `trace` (if given) and return, per step, the
     device time of each kernel category, the device's idle time between kernels within the steps, the wall time,
     and the count of host-side aten ops. On a CPU, categories are of the aten ops' own CPU time."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    global _phase_ranges
     sync(dev)
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for _ in range(n):
-            step()
-        sync(dev)
+    _phase_ranges = True
+    try:
+        with profile(activities=activities) as prof:
+            for _ in range(n):
+                step()
+            sync(dev)
+    finally:
+        _phase_ranges = False
     wall = (time.perf_counter() - start) / n
     if trace:
         prof.export_chrome_trace(trace)
@@ -194,20 +214,94 @@ def covered(spans):
     return total
 
 
+def merged(spans):
+    """The (start, end) intervals -> their union, as sorted disjoint intervals."""
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def uncovered(a, b, union):
+    """How much of (a, b) the sorted disjoint intervals `union` leave uncovered."""
+    i = bisect.bisect_right(union, [a, float("inf")]) - 1
+    left = b - a
+    for lo, hi in union[max(i, 0):]:
+        if lo >= b:
+            break
+        left -= max(0.0, min(b, hi) - max(a, lo))
+    return left
+
+
+LONGEST_WAITS = 12
+
+
 def split_chrome_trace(path, steps=PROFILED_STEPS):
     """The Chrome trace of `steps` profiled steps (--profile writes them to OUT/traces) -> per step, in ms: each kernel
     category's device time, the time any kernel ran, and the time communication ran exposed (device_time_split).
-    Kernels, copies and memsets count, as in summarize_profile; `gpu_user_annotation` ranges do not."""
+    Kernels, copies and memsets count, as in summarize_profile; `gpu_user_annotation` ranges do not.
+
+    Where the trace has the step's `bench:` phase ranges (profile_steps records them), also per phase (the host range
+    that launched the kernel: forward, backward, optimizer): the same split, the exposed communication of each
+    collective (its kernel's name up to the argument list; a collective overlapping another counts in both), and
+    the trace's longest single waits, each with its offset into its phase."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
-    kernels = [(e["ts"], e["ts"] + e["dur"], category(e["name"])) for e in events
-               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    device_events = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    kernels = [(e["ts"], e["ts"] + e["dur"], category(e["name"])) for e in device_events]
     if not kernels:
         raise ValueError(f"{path}: no device kernels in this trace")
     split = {f"{k}_ms": us / 1e3 / steps for k, us in device_time_split(kernels).items()}
     split["device_ms"] = {}
     for a, b, cat in kernels:
         split["device_ms"][cat] = split["device_ms"].get(cat, 0.0) + (b - a) / 1e3 / steps
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["name"][len("bench:"):]) for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith("bench:"))
+    if not ranges:
+        return split
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    starts = [r[0] for r in ranges]
+
+    def range_of(e):
+        ts = launched.get(e.get("args", {}).get("correlation"))
+        if ts is None:
+            return "unattributed", None
+        i = bisect.bisect_right(starts, ts) - 1
+        return (ranges[i][2], i) if i >= 0 and ts <= ranges[i][1] else ("between phases", None)
+
+    computing = merged((a, b) for a, b, cat in kernels if cat != "communication")
+    split["phases"], first_kernel, exposed = {}, {}, []
+    for e, (a, b, cat) in zip(device_events, kernels):
+        name, i = range_of(e)
+        first_kernel[i] = min(a, first_kernel.get(i, a))
+        row = split["phases"].setdefault(name, {"spans": [], "exposed_by_collective": {}})
+        row["spans"].append((a, b, cat))
+        if cat == "communication":
+            collective = e["name"].split("(")[0][:80]
+            got = row["exposed_by_collective"].setdefault(collective, {"per_step": 0.0, "ms": 0.0,
+                                                                       "exposed_ms": 0.0})
+            got["per_step"] += 1 / steps
+            got["ms"] += (b - a) / 1e3 / steps
+            got["exposed_ms"] += uncovered(a, b, computing) / 1e3 / steps
+            exposed.append((uncovered(a, b, computing), a, b, name, i, collective))
+    # The longest waits, each at its offset from its phase's first kernel on the device: a wait at 0 ms is a
+    # collective nothing could run before.
+    for wait, a, b, name, i, collective in sorted(exposed, key=lambda x: -x[0])[:LONGEST_WAITS]:
+        split["phases"][name].setdefault("longest_waits", []).append(
+            {"exposed_ms": wait / 1e3, "collective_ms": (b - a) / 1e3, "collective": collective,
+             "at_ms": (a - first_kernel[i]) / 1e3 if i is not None else None})
+    for row in split["phases"].values():
+        spans = row.pop("spans")
+        row["device_ms"] = {}
+        for a, b, cat in spans:
+            row["device_ms"][cat] = row["device_ms"].get(cat, 0.0) + (b - a) / 1e3 / steps
+        row["busy_ms"] = covered([(a, b) for a, b, _ in spans]) / 1e3 / steps
+        comm = merged((a, b) for a, b, cat in spans if cat == "communication")
+        row["exposed_communication_ms"] = sum(uncovered(a, b, computing) for a, b in comm) / 1e3 / steps
     return split
 
 
@@ -346,11 +440,13 @@ def make_step(subject, model, dev, batch):
         fwd = torch.compile(model) if subject.startswith("compile") else model
 
         def step(x=ids):
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            with phase("forward"), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
                 loss = fwd(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with phase("backward"):
+                loss.backward()
+            with phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
         return step, None
     if subject == "fsdp2":
@@ -367,9 +463,13 @@ def make_step(subject, model, dev, batch):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
 
         def step(x=ids):
-            model(input_ids=x, labels=x).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with phase("forward"):
+                loss = model(input_ids=x, labels=x).loss
+            with phase("backward"):
+                loss.backward()
+            with phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
         return step, None
     import deepspeed
@@ -385,9 +485,12 @@ def make_step(subject, model, dev, batch):
         engine.compile()
 
     def step(x=ids):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
+        with phase("forward"):
+            loss = engine(input_ids=x, labels=x).loss
+        with phase("backward"):
+            engine.backward(loss)
+        with phase("optimizer"):
+            engine.step()
 
     return step, engine
 
