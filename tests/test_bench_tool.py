@@ -491,9 +491,10 @@ def test_split_trace_says_which_phase_left_which_collective_exposed(tmp_path):
               launch(2, 2), kernel("nvjet_gemm", 2010, 4000, 2),
               launch(110, 3), kernel("nvjet_gemm", 6000, 3000, 3),
               launch(120, 4), kernel("ncclDevKernel_ReduceScatter_Sum(int)", 8000, 4000, 4),  # 3000 exposed
+              launch(130, 7), kernel("nvjet_gemm", 12500, 200, 7),                          # 500 idle before it
               {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 210, "dur": 1, "args": {"correlation": 5}},
-              kernel("multi_tensor_apply_kernel", 12000, 1000, 5),
-              kernel("ncclDevKernel_AllReduce_Sum(int)", 13000, 300, 6)]                    # no launch recorded
+              kernel("multi_tensor_apply_kernel", 13000, 1000, 5),                          # 1 ms after the backward
+              kernel("ncclDevKernel_AllReduce_Sum(int)", 14500, 300, 6)]                    # no launch recorded
     trace.write_text(json.dumps({"traceEvents": events}))
     proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -503,7 +504,7 @@ def test_split_trace_says_which_phase_left_which_collective_exposed(tmp_path):
     assert phases["forward"]["exposed_by_collective"] == {"ncclDevKernel_AllGather_RING_LL": pytest.approx(
         {"per_step": 1 / 3, "ms": 1.0, "exposed_ms": 2 / 3})}
     assert phases["backward"]["exposed_communication_ms"] == pytest.approx(1.0)
-    assert phases["backward"]["device_ms"] == pytest.approx({"matmul": 1.0, "communication": 4 / 3})
+    assert phases["backward"]["device_ms"] == pytest.approx({"matmul": 3.2 / 3, "communication": 4 / 3})
     assert phases["optimizer"]["exposed_communication_ms"] == 0
     assert phases["unattributed"]["exposed_communication_ms"] == pytest.approx(0.1)
     # the longest waits, each where it came in its phase: the all-gather first thing in the forward
@@ -511,6 +512,12 @@ def test_split_trace_says_which_phase_left_which_collective_exposed(tmp_path):
                                                     "collective": "ncclDevKernel_ReduceScatter_Sum"}]
     assert phases["forward"]["longest_waits"][0]["at_ms"] == 0.0
     assert phases["forward"]["longest_waits"][0]["exposed_ms"] == pytest.approx(2.0)
+    # idle: none within the forward; the backward's first kernel starts while the forward's last runs, and its last
+    # waits 0.5 ms after the reduce-scatter; the optimizer's starts 0.3 ms after the backward's last kernel
+    assert phases["forward"]["idle_within_ms"] == 0 and "idle_before_ms" not in phases["forward"]
+    assert phases["backward"]["idle_before_ms"] == 0
+    assert phases["backward"]["idle_within_ms"] == pytest.approx(0.5 / 3)
+    assert phases["optimizer"]["idle_before_ms"] == pytest.approx(0.3 / 3) and phases["optimizer"]["idle_within_ms"] == 0
 
 
 def test_a_profiled_step_records_its_phases_for_the_trace_split(tmp_path):

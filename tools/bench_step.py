@@ -246,8 +246,9 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
 
     Where the trace has the step's `bench:` phase ranges (profile_steps records them), also per phase (the host range
     that launched the kernel: forward, backward, optimizer): the same split, the exposed communication of each
-    collective (its kernel's name up to the argument list; a collective overlapping another counts in both), and
-    the trace's longest single waits, each with its offset into its phase."""
+    collective (its kernel's name up to the argument list; a collective overlapping another counts in both), the
+    trace's longest single waits, each with its offset into its phase, and where the device sat idle: within each
+    phase, and before its first kernel since the phase before it ended."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     device_events = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -274,10 +275,12 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
         return (ranges[i][2], i) if i >= 0 and ts <= ranges[i][1] else ("between phases", None)
 
     computing = merged((a, b) for a, b, cat in kernels if cat != "communication")
-    split["phases"], first_kernel, exposed = {}, {}, []
+    split["phases"], first_kernel, exposed, by_range = {}, {}, [], {}
     for e, (a, b, cat) in zip(device_events, kernels):
         name, i = range_of(e)
         first_kernel[i] = min(a, first_kernel.get(i, a))
+        if i is not None:
+            by_range.setdefault(i, []).append((a, b))
         row = split["phases"].setdefault(name, {"spans": [], "exposed_by_collective": {}})
         row["spans"].append((a, b, cat))
         if cat == "communication":
@@ -302,6 +305,17 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
         row["busy_ms"] = covered([(a, b) for a, b, _ in spans]) / 1e3 / steps
         comm = merged((a, b) for a, b, cat in spans if cat == "communication")
         row["exposed_communication_ms"] = sum(uncovered(a, b, computing) for a, b in comm) / 1e3 / steps
+    # Where the device sat idle: inside each phase (between its first kernel and its last), and between the end of
+    # the phase before and a phase's first kernel (a host that synchronized, or launched too slowly, in between).
+    last_end = None
+    for i in sorted(by_range):
+        spans, name = by_range[i], ranges[i][2]
+        first, last = min(a for a, _ in spans), max(b for _, b in spans)
+        row = split["phases"][name]
+        row["idle_within_ms"] = row.get("idle_within_ms", 0.0) + (last - first - covered(spans)) / 1e3 / steps
+        if last_end is not None:
+            row["idle_before_ms"] = row.get("idle_before_ms", 0.0) + max(0.0, first - last_end) / 1e3 / steps
+        last_end = last if last_end is None else max(last_end, last)
     return split
 
 
