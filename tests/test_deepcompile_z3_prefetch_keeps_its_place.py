@@ -68,18 +68,22 @@ PREFETCH_ORDER = """
                                       num_attention_heads=4, num_key_value_heads=1, vocab_size=2004)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    got = {}
+    graphs = []  # (forward graph, its inputs) of each graph Dynamo captured
 
     def backend(gm, inputs):
+        got = {"inputs": inputs}
+        graphs.append(got)
+
         def keep(g, _):
             got.setdefault("fw", g)
             return make_boxed_func(g.forward)
-        got["inputs"] = inputs
         return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
                                      partition_fn=min_cut_rematerialization_partition)
 
     ids = torch.randint(0, 2004, (1, 32))
     torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss.backward()
+    # Where Dynamo breaks the graph (older torch with newer transformers), the graph holding the most parameters
+    got = max(graphs, key=lambda g: sum(isinstance(v, torch.nn.Parameter) for v in g["inputs"]))
     params = [(i, 100 + i, v.shape) for i, v in enumerate(got["inputs"]) if isinstance(v, torch.nn.Parameter)]
     gm = got["fw"]
     manager = DSGraphParamManager(gm.graph, got["inputs"], params)
@@ -87,8 +91,8 @@ PREFETCH_ORDER = """
 
     # A profile at the 8B model's sizes (parameters 4096x as large as at width 64); the prefetch pass keeps at most
     # a quarter of them in flight, so its prefetches fall all through the graph, as at 32 layers with its 4 GB.
-    def gathered_bytes(n):
-        return n.meta["val"].numel() * 2 * 4096 if n.target == torch.ops.dc.allgather_param.default else 0
+    def gathered_bytes(n):  # the size of the parameter an all-gather gathers
+        return n.args[0].meta["val"].numel() * 2 * 4096 if n.target == torch.ops.dc.allgather_param.default else 0
 
     for n in graph.nodes:
         n.meta["device_time"], n.meta["tensor_size"] = 1e-4, gathered_bytes(n)
