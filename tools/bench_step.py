@@ -437,6 +437,22 @@ def skip_causal_mask_under_compile():
     masking_utils._ignore_causal_mask_sdpa = ignore_causal_mask_sdpa
 
 
+def pytorch_step(fwd, opt, dev, ids, amp=False):
+    """One training step of a model PyTorch trains on its own (torch.compile, FSDP2), bf16 autocast if `amp`."""
+    import torch
+
+    def step(x=ids):
+        with phase("forward"), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            loss = fwd(input_ids=x, labels=x).loss
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def make_step(subject, model, dev, batch):
     """A function running one training step of `subject` on `model`; the engine, if any. The step trains on `batch`,
     or on the token ids it is given (tools/steady-state: a length of its own every step)."""
@@ -452,17 +468,7 @@ def make_step(subject, model, dev, batch):
         model = model.to(dev) if amp else model.to(dev, torch.bfloat16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
         fwd = torch.compile(model) if subject.startswith("compile") else model
-
-        def step(x=ids):
-            with phase("forward"), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-                loss = fwd(input_ids=x, labels=x).loss
-            with phase("backward"):
-                loss.backward()
-            with phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-        return step, None
+        return pytorch_step(fwd, opt, dev, ids, amp), None
     if subject == "fsdp2":
         import torch.distributed as dist
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -475,17 +481,7 @@ def make_step(subject, model, dev, batch):
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
-
-        def step(x=ids):
-            with phase("forward"):
-                loss = model(input_ids=x, labels=x).loss
-            with phase("backward"):
-                loss.backward()
-            with phase("optimizer"):
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-        return step, None
+        return pytorch_step(model, opt, dev, ids), None
     import deepspeed
     kind, stage = subject.split("-")[:2]
     cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0], subject.endswith("-bf16"),
