@@ -8,9 +8,9 @@ once each parameter had been gathered where it is used. At the 8B model on 4xH20
 the forward ran exposed: 45.1 ms of 45.1 (docs/bench.md).
 
 Here the forward graph of a 4-layer Llama (transformers, labels given: the Trainer's loss in the graph), with
-DeepCompile's gathers and releases in its schedule and its prefetch pass planned from a synthetic profile, is compiled by Inductor
-on the CPU with DeepCompile's ops defined from the wheel's schemas and Python kernels that log each call: the ops
-must run in the graph's order."""
+DeepCompile's gathers and releases in its schedule and its prefetch pass planned from a synthetic profile, is
+compiled by Inductor on the CPU with DeepCompile's ops defined from the wheel's schemas and Python kernels that log
+each call: the ops must run in the graph's order."""
 
 import socket
 
@@ -77,7 +77,8 @@ PREFETCH_ORDER = """
         def keep(g, _):
             got.setdefault("fw", g)
             return make_boxed_func(g.forward)
-        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
+        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep,
+                                     decompositions=select_decomp_table(),
                                      partition_fn=min_cut_rematerialization_partition)
 
     ids = torch.randint(0, 2004, (1, 32))
@@ -110,8 +111,9 @@ PREFETCH_ORDER = """
 
     planned = []
     for n in gm.graph.nodes:
-        kind = {torch.ops.dc.prefetch_params_fused.default: "prefetch", torch.ops.dc.allgather_param.default: "gather",
-                torch.ops.dc.wait_allgather.default: "wait", torch.ops.dc.release_param.default: "release"}.get(n.target)
+        kind = {torch.ops.dc.prefetch_params_fused.default: "prefetch",
+                torch.ops.dc.allgather_param.default: "gather", torch.ops.dc.wait_allgather.default: "wait",
+                torch.ops.dc.release_param.default: "release"}.get(n.target)
         if kind:
             planned.append((kind, tuple(n.args[2]) if kind == "prefetch" else n.args[2]))
     first_gather = next(k for k, c in enumerate(planned) if c[0] == "gather")
