@@ -203,17 +203,6 @@ def rank_trace(path, rank):
     return f"{stem}.rank{rank}{ext}"
 
 
-def covered(spans):
-    """The length of the union of the (start, end) intervals."""
-    total, hi = 0.0, None
-    for a, b in sorted(spans):
-        if hi is None or a > hi:
-            total, hi = total + b - a, b
-        elif b > hi:
-            total, hi = total + b - hi, b
-    return total
-
-
 def merged(spans):
     """The (start, end) intervals -> their union, as sorted disjoint intervals."""
     out = []
@@ -223,6 +212,11 @@ def merged(spans):
         else:
             out.append([a, b])
     return out
+
+
+def covered(spans):
+    """The length of the union of the (start, end) intervals."""
+    return sum(b - a for a, b in merged(spans))
 
 
 def uncovered(a, b, union):
