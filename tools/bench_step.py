@@ -60,6 +60,15 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def exit_rank():
+    """End a rank whose results are written, without the interpreter's shutdown. A gloo thread may still be releasing
+    a collective that holds Python tensors (ZeRO-3's all-gathers): it takes the GIL while the interpreter finalizes,
+    and the process aborts after its work is done ("terminate called without an active exception", exit -6)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def matmul_peak(dev):
     """bf16 TFLOP/s of an 8192^3 matrix product (the mean of 10 after 3 warm-ups; 512^3 on a CPU)."""
     import torch
@@ -585,7 +594,7 @@ def main():
             # once.
             got = wait_for([f"{base}.go.{k}", base + ".stop"] + ([] if profiled else [base + ".profile"]))
             if got.endswith(".stop"):
-                break
+                exit_rank()
             if got.endswith(".profile"):
                 profiled = True
                 with open(got) as f:
