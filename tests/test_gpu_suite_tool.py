@@ -1,6 +1,6 @@
 """tools/gpu-suite: the JUnit files it writes come back from the GPU hosts, and a suite stopped by its command's
 deadline still prints what ran (a fork.33 run lost both, its files named with the version's '+' and
-its table never printed)."""
+its table never printed), stopping the file it runs, also when the interrupt comes as that file's pytest starts."""
 
 import os
 import signal
@@ -11,7 +11,9 @@ import time
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "gpu-suite")
 
 PASSES = "def test_quick():\n    assert 1 + 1 == 2\n"
-SLEEPS = "import time\n\n\ndef test_slow():\n    time.sleep(120)\n"
+# Says it is asleep (FILE.asleep) before it sleeps.
+SLEEPS = ("import pathlib\nimport time\n\n\ndef test_slow():\n    pathlib.Path(__file__).with_suffix('.asleep').touch()\n"
+          "    time.sleep(120)\n")
 
 
 def suite(tmp_path, *files, label="0.19.8+fork.33"):
@@ -48,7 +50,9 @@ def check_interrupted(proc, tmp_path):
     while not (report / "0.19.8-fork.33-test_a.xml").exists():  # the first file has run
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
         time.sleep(0.5)
-    time.sleep(5)  # the second one is asleep in its test
+    while not (tmp_path / "test_b.asleep").exists():  # the second one is asleep in its test
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.2)
     stopped = time.monotonic()
     os.kill(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
@@ -61,3 +65,45 @@ def check_interrupted(proc, tmp_path):
     assert "1 passed, 2 interrupted" in out, out
     leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "test_b.py")], capture_output=True, text=True).stdout
     assert not leftover.strip(), f"the interrupted file's pytest still runs: {leftover}"
+
+
+# run_file of the tool, with ^C arriving as the file's pytest has just started (inside subprocess.Popen).
+INTERRUPT_AT_START = r"""
+import importlib.machinery, importlib.util, os, signal, subprocess, sys, types
+loader = importlib.machinery.SourceFileLoader("gpu_suite", sys.argv[1])
+tool = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpu_suite", loader))
+loader.exec_module(tool)
+real = subprocess.Popen
+
+
+def popen(*args, **kwargs):
+    proc = real(*args, **kwargs)
+    print("started", proc.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    return proc
+
+
+tool.subprocess.Popen = popen
+try:
+    rows = tool.run_file(sys.argv[2], types.SimpleNamespace(k=None, timeout=200), dict(os.environ), sys.argv[3])
+except KeyboardInterrupt:
+    rows = "KeyboardInterrupt escaped run_file"
+print("rows", rows, flush=True)
+"""
+
+
+def test_an_interrupt_while_a_file_starts_stops_that_file(tmp_path):
+    (tmp_path / "test_b.py").write_text(SLEEPS)
+    try:
+        # Its output to a file, not a pipe: a pytest left running would hold a pipe open.
+        with open(tmp_path / "out", "w") as out:
+            subprocess.run([sys.executable, "-c", INTERRUPT_AT_START, TOOL, str(tmp_path / "test_b.py"),
+                            str(tmp_path / "b.xml")], stdout=out, stderr=subprocess.STDOUT, timeout=120)
+        printed = (tmp_path / "out").read_text()
+        assert "rows [('test_b.py', 'INTERRUPTED'" in printed, printed
+        time.sleep(1)
+        leftover = subprocess.run(["pgrep", "-f", str(tmp_path / "test_b.py")], capture_output=True,
+                                  text=True).stdout
+        assert not leftover.strip(), f"the interrupted file's pytest still runs: {leftover}"
+    finally:
+        subprocess.run(["pkill", "-9", "-f", str(tmp_path / "test_b.py")])
