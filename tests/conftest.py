@@ -23,6 +23,7 @@ FIRST = ("tests/test_arch_list.py::", "tests/test_compile_check.py::test_deepcom
 ONE_UNIT = ("tests/test_arch_list.py", )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups marked here
 def pytest_collection_modifyitems(config, items):
     """Orders the tests (FIRST), and keeps each module whose tests share a module-scoped fixture of its own on one
     xdist worker (`--dist loadgroup`): split between workers, such a fixture (two ranks training, say) would run once
