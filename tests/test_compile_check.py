@@ -2,9 +2,19 @@
 
 torch.cuda.is_available() is faked to True so that op_builder takes the GPU path (arch flags, nvcc), as it
 does on a GPU host with TORCH_CUDA_ARCH_LIST=9.0a (the CUDA 13 image default). Loading the built module
-needs a driver and may fail here; that the shared object was compiled and linked is what is checked."""
+needs a driver and may fail here; that the shared object was compiled and linked is what is checked.
+
+A build that succeeded is recorded in the test environment under a key of everything that decides it (the op
+sources, builders and accelerator code the wheel ships, the compilers, the torch and CUDA packages whose headers it
+includes, the build's environment): a later run with the same key reads that record instead of compiling again, as
+ccache would (the DeepCompile op takes about 8 minutes of a 2-core host). Any patch to those files, or another
+compiler or torch, builds again. COMPILE_CHECK_CACHE=0 always builds."""
 
 import glob
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import os
 import re
 import shutil
@@ -57,12 +67,48 @@ except Exception as e:  # compile errors are judged by the missing .so and the l
 """
 
 
-def jit_build(builder, name, tmp_path):
+def build_env(tmp_path):
     site = sysconfig.get_paths()["purelib"]
     includes = [os.path.join(site, "nvidia", "cu13", "include"), os.path.join(site, "nvidia", "nccl", "include")]
-    env = dict(os.environ, DS_ACCELERATOR="cuda", CUDA_HOME=CUDA_HOME, TORCH_CUDA_ARCH_LIST="9.0a",
-               TORCH_EXTENSIONS_DIR=str(tmp_path), MAX_JOBS=str(os.cpu_count() or 2),
-               CPATH=":".join(includes + [os.environ.get("CPATH", "")]))
+    return dict(os.environ, DS_ACCELERATOR="cuda", CUDA_HOME=CUDA_HOME, TORCH_CUDA_ARCH_LIST="9.0a",
+                TORCH_EXTENSIONS_DIR=str(tmp_path), MAX_JOBS=str(os.cpu_count() or 2),
+                CPATH=":".join(includes + [os.environ.get("CPATH", "")]))
+
+
+KEYED = ("ops/csrc", "ops/op_builder", "accelerator")  # of the installed deepspeed: what a build reads or is told
+
+
+def build_key(builder, env, root=None):
+    """sha256 of everything that decides whether `builder` compiles here, and how."""
+    import torch
+    h = hashlib.sha256()
+    # Found, not imported: deepspeed imported here would pick this process's accelerator (tests/conftest.py's FIRST).
+    root = root or importlib.util.find_spec("deepspeed").submodule_search_locations[0]
+    for sub in KEYED:
+        for dirpath, dirnames, filenames in sorted(os.walk(os.path.join(root, sub))):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(filenames):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode() + b"\0")
+                with open(path, "rb") as f:
+                    h.update(hashlib.sha256(f.read()).digest())
+    tools = [subprocess.run([cmd, "--version"], capture_output=True, text=True).stdout for cmd in (NVCC, "c++")]
+    packages = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+                      if (d.metadata["Name"] or "").lower().startswith(("nvidia", "torch")))
+    setting = {k: env.get(k, "") for k in ("TORCH_CUDA_ARCH_LIST", "CPATH", "CUDA_HOME", "CXX", "NVCC_FLAGS")}
+    h.update(json.dumps([builder, SCRIPT, torch.__version__, torch.version.cuda, sys.version, tools, packages,
+                         setting]).encode())
+    return h.hexdigest()
+
+
+def jit_build(builder, name, tmp_path):
+    """The build.ninja of a JIT build of `builder` that compiled and linked (compiled now, or recorded by an earlier
+    run under the same key)."""
+    env = build_env(tmp_path)
+    record = os.path.join(sys.prefix, "compile-check", f"{builder}-{build_key(builder, env)[:32]}.json")
+    if os.environ.get("COMPILE_CHECK_CACHE") != "0" and os.path.exists(record):
+        with open(record) as f:
+            return json.load(f)["build.ninja"]
     proc = subprocess.run([sys.executable, "-c", SCRIPT, builder], capture_output=True, text=True, env=env,
                           timeout=1800)
     log = proc.stdout + proc.stderr
@@ -70,7 +116,12 @@ def jit_build(builder, name, tmp_path):
     built = glob.glob(os.path.join(str(tmp_path), name, f"{name}*.so"))
     assert built, f"{builder} did not compile:\n{log[-6000:]}"
     with open(os.path.join(str(tmp_path), name, "build.ninja")) as f:
-        return f.read()
+        ninja = f.read()
+    os.makedirs(os.path.dirname(record), exist_ok=True)
+    with open(record + ".tmp", "w") as f:
+        json.dump({"built": [os.path.basename(p) for p in built], "build.ninja": ninja}, f)
+    os.replace(record + ".tmp", record)  # whole or not at all
+    return ninja
 
 
 def test_fused_adam_builds_for_sm_90a(tmp_path):
@@ -80,3 +131,21 @@ def test_fused_adam_builds_for_sm_90a(tmp_path):
 
 def test_deepcompile_op_builds(tmp_path):
     jit_build("DeepCompileBuilder", "dc", tmp_path)
+
+
+def test_a_changed_source_or_setting_builds_again(tmp_path):
+    """The record of an earlier build stands only for the same sources and settings."""
+    installed = importlib.util.find_spec("deepspeed").submodule_search_locations[0]
+    root = tmp_path / "deepspeed"
+    for sub in KEYED:
+        shutil.copytree(os.path.join(installed, sub), root / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    env = build_env(tmp_path)
+    key = build_key("DeepCompileBuilder", env, str(root))
+    assert build_key("DeepCompileBuilder", env, str(root)) == key
+    source = root / "ops" / "csrc" / "compile" / "z3.cpp"
+    source.write_bytes(source.read_bytes() + b"\n")
+    assert build_key("DeepCompileBuilder", env, str(root)) != key
+    source.write_bytes(source.read_bytes()[:-1])
+    assert build_key("DeepCompileBuilder", env, str(root)) == key
+    assert build_key("DeepCompileBuilder", dict(env, TORCH_CUDA_ARCH_LIST="9.0"), str(root)) != key
+    assert build_key("FusedAdamBuilder", env, str(root)) != key
