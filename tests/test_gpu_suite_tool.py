@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "gpu-suite")
 
 PASSES = "def test_quick():\n    assert 1 + 1 == 2\n"
@@ -16,13 +18,14 @@ SLEEPS = ("import pathlib\nimport time\n\n\ndef test_slow():\n    pathlib.Path(_
           "    time.sleep(120)\n")
 
 
-def suite(tmp_path, *files, label="0.19.8+fork.33"):
+def suite(tmp_path, *files, label="0.19.8+fork.33", interrupts=signal.SIG_DFL):
     paths = []
     for name, text in files:
         (tmp_path / name).write_text(text)
         paths.append(str(tmp_path / name))
     cmd = [sys.executable, TOOL, "--label", label, "--report", str(tmp_path / "report"), "--timeout", "200", *paths]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, interrupts))
 
 
 def test_junit_files_are_named_without_characters_the_device_tool_leaves_out(tmp_path):
@@ -34,8 +37,10 @@ def test_junit_files_are_named_without_characters_the_device_tool_leaves_out(tmp
     assert "test_quick" in out and "1 passed" in out, out
 
 
-def test_an_interrupted_suite_prints_what_ran_and_stops_the_running_file(tmp_path):
-    proc = suite(tmp_path, ("test_a.py", PASSES), ("test_b.py", SLEEPS), ("test_c.py", PASSES))
+# Started as it is where interrupts are left to Python, or with them ignored, as a script's background job starts.
+@pytest.mark.parametrize("interrupts", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored-by-its-parent"])
+def test_an_interrupted_suite_prints_what_ran_and_stops_the_running_file(tmp_path, interrupts):
+    proc = suite(tmp_path, ("test_a.py", PASSES), ("test_b.py", SLEEPS), ("test_c.py", PASSES), interrupts=interrupts)
     try:
         check_interrupted(proc, tmp_path)
     finally:
@@ -73,6 +78,7 @@ import importlib.machinery, importlib.util, os, signal, subprocess, sys, types
 loader = importlib.machinery.SourceFileLoader("gpu_suite", sys.argv[1])
 tool = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpu_suite", loader))
 loader.exec_module(tool)
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as the tool's main() does
 real = subprocess.Popen
 
 
