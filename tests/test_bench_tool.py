@@ -356,10 +356,13 @@ def test_a_row_failed_in_a_group_the_budget_cut_names_the_budget():
     assert "error" not in cut({"step_s": 0.1}, 149.0, 250.0)
 
 
-def test_the_pinned_upstream_release_is_measured_as_a_site(tmp_path):
-    """--site LABEL=pinned builds the release the fork is pinned to (as tools/zero-diff does) and its DeepSpeed
-    subjects run from there: the table puts 0.19.8 next to the rest."""
+def test_the_pinned_upstream_release_is_measured_as_a_site(tmp_path, pinned_upstream_site):
+    """--site LABEL=pinned takes the release the fork is pinned to (built by tools/pinned_upstream.site, as for
+    tools/zero-diff) and its DeepSpeed subjects run from there: the table puts 0.19.8 next to the rest. The build is
+    the test environment's one (conftest's pinned_upstream_site, the same function), found where the tool looks for
+    it, with the ops JIT-built for it."""
     pytest.importorskip("deepspeed")
+    os.symlink(pinned_upstream_site, tmp_path / "site-up")
     proc = bench("--sets", "tiny", "--site", "up=pinned", "--repeats", "1", "--steps", "1", "--warmup", "1",
                  "--group-deadline-s", "900", "--budget-s", "1000", "--out", str(tmp_path), timeout=1500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -596,3 +599,14 @@ def test_apart_gives_each_process_gpus_of_its_own(tmp_path):
     with open(tmp_path / "bench.json") as f:
         rows = json.load(f)["rows"]
     assert [(r["gpus"], r["devices"], r["cuda_visible_devices"]) for r in rows] == [(1, "5", "5"), (2, "6,7", "6,7")]
+
+
+def test_a_site_holds_what_lies_in_its_folder_reached_through_links(tmp_path):
+    within = _cli().within
+    (tmp_path / "site-up" / "deepspeed").mkdir(parents=True)
+    (tmp_path / "site-up2" / "deepspeed").mkdir(parents=True)
+    os.symlink(tmp_path / "site-up", tmp_path / "link")
+    module = str(tmp_path / "site-up" / "deepspeed" / "__init__.py")
+    assert within(module, str(tmp_path / "link")) and within(module, str(tmp_path / "site-up"))
+    assert within(str(tmp_path / "link" / "deepspeed" / "__init__.py"), str(tmp_path / "site-up"))
+    assert not within(str(tmp_path / "site-up2" / "deepspeed" / "__init__.py"), str(tmp_path / "site-up"))
