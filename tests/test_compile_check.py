@@ -85,8 +85,8 @@ def build_key(builder, env, root=None):
     # Found, not imported: deepspeed imported here would pick this process's accelerator (tests/conftest.py's FIRST).
     root = root or importlib.util.find_spec("deepspeed").submodule_search_locations[0]
     for sub in KEYED:
-        for dirpath, dirnames, filenames in sorted(os.walk(os.path.join(root, sub))):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, sub)):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")  # in place: the walk follows it
             for name in sorted(filenames):
                 path = os.path.join(dirpath, name)
                 h.update(os.path.relpath(path, root).encode() + b"\0")
@@ -141,6 +141,10 @@ def test_a_changed_source_or_setting_builds_again(tmp_path):
         shutil.copytree(os.path.join(installed, sub), root / sub, ignore=shutil.ignore_patterns("__pycache__"))
     env = build_env(tmp_path)
     key = build_key("DeepCompileBuilder", env, str(root))
+    assert build_key("DeepCompileBuilder", env, str(root)) == key
+    # Python's bytecode of the builders, written as they are imported, is not a source.
+    (root / "ops" / "op_builder" / "__pycache__").mkdir(exist_ok=True)
+    (root / "ops" / "op_builder" / "__pycache__" / "builder.cpython-311.pyc").write_bytes(b"\0")
     assert build_key("DeepCompileBuilder", env, str(root)) == key
     source = root / "ops" / "csrc" / "compile" / "z3.cpp"
     source.write_bytes(source.read_bytes() + b"\n")
