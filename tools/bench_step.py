@@ -278,10 +278,9 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
         return (ranges[i][2], i) if i >= 0 and ts <= ranges[i][1] else ("between phases", None)
 
     computing = merged((a, b) for a, b, cat in kernels if cat != "communication")
-    split["phases"], first_kernel, exposed, by_range = {}, {}, [], {}
+    split["phases"], exposed, by_range = {}, [], {}
     for e, (a, b, cat) in zip(device_events, kernels):
         name, i = range_of(e)
-        first_kernel[i] = min(a, first_kernel.get(i, a))
         if i is not None:
             by_range.setdefault(i, []).append((a, b))
         row = split["phases"].setdefault(name, {"spans": [], "exposed_by_collective": {}})
@@ -294,6 +293,7 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
             got["ms"] += (b - a) / 1e3 / steps
             got["exposed_ms"] += uncovered(a, b, computing) / 1e3 / steps
             exposed.append((uncovered(a, b, computing), a, b, name, i, collective))
+    first_kernel = {i: min(a for a, _ in spans) for i, spans in by_range.items()}
     # The longest waits, each at its offset from its phase's first kernel on the device: a wait at 0 ms is a
     # collective nothing could run before.
     for wait, a, b, name, i, collective in sorted(exposed, key=lambda x: -x[0])[:LONGEST_WAITS]:
@@ -313,7 +313,7 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
     last_end = None
     for i in sorted(by_range):
         spans, name = by_range[i], ranges[i][2]
-        first, last = min(a for a, _ in spans), max(b for _, b in spans)
+        first, last = first_kernel[i], max(b for _, b in spans)
         row = split["phases"][name]
         row["idle_within_ms"] = row.get("idle_within_ms", 0.0) + (last - first - covered(spans)) / 1e3 / steps
         if last_end is not None:
