@@ -14,8 +14,8 @@ TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 PASSES = "def test_quick():\n    assert 1 + 1 == 2\n"
 # Says it is asleep (FILE.asleep) before it sleeps.
-SLEEPS = ("import pathlib\nimport time\n\n\ndef test_slow():\n    pathlib.Path(__file__).with_suffix('.asleep').touch()\n"
-          "    time.sleep(120)\n")
+SLEEPS = ("import pathlib\nimport time\n\n\ndef test_slow():\n"
+          "    pathlib.Path(__file__).with_suffix('.asleep').touch()\n    time.sleep(120)\n")
 
 
 def suite(tmp_path, *files, label="0.19.8+fork.33", interrupts=signal.SIG_DFL):
@@ -74,10 +74,10 @@ def check_interrupted(proc, tmp_path):
 
 # run_file of the tool, with ^C arriving as the file's pytest has just started (inside subprocess.Popen).
 INTERRUPT_AT_START = r"""
-import importlib.machinery, importlib.util, os, signal, subprocess, sys, types
-loader = importlib.machinery.SourceFileLoader("gpu_suite", sys.argv[1])
-tool = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpu_suite", loader))
-loader.exec_module(tool)
+import os, signal, subprocess, sys, types
+sys.path.insert(0, sys.argv[1])
+import tool_module
+tool = tool_module.load("gpu-suite")
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as the tool's main() does
 real = subprocess.Popen
 
@@ -103,8 +103,9 @@ def test_an_interrupt_while_a_file_starts_stops_that_file(tmp_path):
     try:
         # Its output to a file, not a pipe: a pytest left running would hold a pipe open.
         with open(tmp_path / "out", "w") as out:
-            subprocess.run([sys.executable, "-c", INTERRUPT_AT_START, TOOL, str(tmp_path / "test_b.py"),
-                            str(tmp_path / "b.xml")], stdout=out, stderr=subprocess.STDOUT, timeout=120)
+            subprocess.run([sys.executable, "-c", INTERRUPT_AT_START, os.path.dirname(os.path.abspath(__file__)),
+                            str(tmp_path / "test_b.py"), str(tmp_path / "b.xml")], stdout=out,
+                           stderr=subprocess.STDOUT, timeout=120)
         printed = (tmp_path / "out").read_text()
         assert "rows [('test_b.py', 'INTERRUPTED'" in printed, printed
         time.sleep(1)
