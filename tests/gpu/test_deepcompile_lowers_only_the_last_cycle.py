@@ -11,6 +11,13 @@ past_warmup), one process each, side by side on one GPU: DeepCompile ZeRO-3 hand
 and lowers its graphs from WARMUP on, while its gradient norms and losses stay those of eager ZeRO-3 (the warm-up
 steps now run unfused code, the later ones Inductor's); DeepCompile ZeRO-1, whose schedule has one cycle, lowers its
 graphs at the first step as before.
+
+The WARMUP step also traced the whole model again (Dynamo and AOT autograd: 40 s of the 8B model's warm-up on four
+H200s), for the graphs it had traced at step 0. With one sequence length throughout (variant past_warmup_same_length),
+the dense zoo rows (plain, tied embeddings, LoRA, activation checkpointing) now have Dynamo trace nothing after the
+first step, and their graphs are compiled again in place at WARMUP with eager ZeRO-3's values (patch
+deepcompile-z3-warmup-compiles-without-tracing-again); with a new length every step, whose graphs have symbolic
+sizes, WARMUP traces them again as before.
 """
 
 import math
@@ -22,7 +29,17 @@ from dist import DistJob, skip_reason
 
 TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "480"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_grad_accumulation.py")
-JOBS = {"z3-eager": ("3", "eager"), "z3-deepcompile": ("3", "deepcompile"), "z1-deepcompile": ("1", "deepcompile")}
+DENSE = ("llama", "qwen2_tied", "llama_lora", "llama_ckpt")
+# name: (zoo model, ZeRO stage, mode, worker variant)
+JOBS = {
+    "z3-eager": ("llama", "3", "eager", "past_warmup"),
+    "z3-deepcompile": ("llama", "3", "deepcompile", "past_warmup"),
+    "z1-deepcompile": ("llama", "1", "deepcompile", "past_warmup"),
+    **{
+        f"z3-{mode}-same-length-{model}": (model, "3", mode, "past_warmup_same_length")
+        for model in DENSE for mode in ("eager", "deepcompile")
+    },
+}
 WARMUP = 5  # deepspeed.compile.init_z3.WARMUP, checked against the installed deepspeed where a GPU runs the test
 RTOL = 1e-3  # fp32; the bound of test_deepcompile_grad_accumulation.py
 
@@ -33,11 +50,11 @@ def runs():
     if reason:
         pytest.skip(reason)
     started = {
-        name: DistJob(WORKER, ["--stage", stage, "--variant", "past_warmup", "--mode", mode], nprocs=1,
+        name: DistJob(WORKER, ["--model", model, "--stage", stage, "--mode", mode, "--variant", variant], nprocs=1,
                       timeout=TIMEOUT_S, env={
                           "TORCHINDUCTOR_COMPILE_THREADS": "1"
                       }).start()
-        for name, (stage, mode) in JOBS.items()
+        for name, (model, stage, mode, variant) in JOBS.items()
     }
     out = {}
     for name, job in started.items():
@@ -60,6 +77,22 @@ def test_zero3_lowers_no_graph_before_warmup_and_keeps_eager_values(runs):
     assert dc["deepcompile_active"] and len(lowered) == len(eager["grad_norms"]) == 8
     assert sum(lowered[:WARMUP]) == 0, f"Inductor lowered graphs of the warm-up cycle: {lowered}"
     assert lowered[WARMUP] > 0, f"the WARMUP step recompiled nothing with Inductor: {lowered}"
+    for got, want in zip(dc["grad_norms"] + dc["losses"], eager["grad_norms"] + eager["losses"]):
+        assert math.isfinite(got) and abs(got - want) <= RTOL * abs(want), (dc["grad_norms"], eager["grad_norms"])
+    traced = dc["dynamo_graphs_by_step"]
+    assert traced[WARMUP] > 0, f"graphs of symbolic sizes were not traced again at WARMUP: {traced}"
+
+
+@pytest.mark.parametrize("model", DENSE)
+def test_zero3_warmup_compiles_its_static_graphs_without_tracing_the_model_again(runs, model):
+    eager, dc = runs[f"z3-eager-same-length-{model}"], runs[f"z3-deepcompile-same-length-{model}"]
+    traced, lowered = dc["dynamo_graphs_by_step"], dc["inductor_graphs_by_step"]
+    print(f"\nDeepCompile ZeRO-3, {model}, one length: graphs Dynamo traced by optimizer step {traced}, "
+          f"graphs handed to Inductor {lowered}\ngrad norms eager {eager['grad_norms']}\n"
+          f"       deepcompile {dc['grad_norms']}")
+    assert dc["deepcompile_active"] and len(traced) == len(eager["grad_norms"]) == 8
+    assert traced[0] > 0 and sum(traced[1:]) == 0, f"Dynamo traced graphs after the first step: {traced}"
+    assert sum(lowered[:WARMUP]) == 0 and lowered[WARMUP] > 0 and sum(lowered[WARMUP + 1:]) == 0, lowered
     for got, want in zip(dc["grad_norms"] + dc["losses"], eager["grad_norms"] + eager["losses"]):
         assert math.isfinite(got) and abs(got - want) <= RTOL * abs(want), (dc["grad_norms"], eager["grad_norms"])
 

@@ -84,14 +84,22 @@ class InductorGraphs:
     counts too; AOT autograd's cache would skip Inductor altogether on a hit (a graph another process compiled the
     same way), so it is turned off for this process."""
 
+    PHASE = "Inductor (_compile_fx_inner)"
+
     def __init__(self):
         import torch._functorch.config
 
         torch._functorch.config.enable_autograd_cache = False
-        self.phases = install({"inductor": ENTRY_POINTS["Inductor (_compile_fx_inner)"]})
+        self.phases = install({"calls": ENTRY_POINTS[self.PHASE]})
         self._counted = 0
 
     def since_last(self):
-        now = self.phases.calls.get("inductor", 0)
+        now = self.phases.calls.get("calls", 0)
         new, self._counted = now - self._counted, now
         return new
+
+
+class DynamoGraphs(InductorGraphs):
+    """How many graphs Dynamo traced and handed to its backend since the previous `since_last()`."""
+
+    PHASE = "backend (call_user_compiler)"

@@ -1,5 +1,6 @@
-"""Worker for test_deepcompile_grad_accumulation.py: the zoo's Llama trained in fp32 with gradient accumulation,
-eagerly or under DeepCompile, reporting the global gradient norm of every optimizer step and every loss.
+"""Worker for test_deepcompile_grad_accumulation.py: the zoo's Llama (or --model, another zoo row) trained in fp32
+with gradient accumulation, eagerly or under DeepCompile, reporting the global gradient norm of every optimizer step
+and every loss.
 
   python tests/gpu/workers/dc_grad_accumulation.py --stage 1 --mode deepcompile --variant new_length_each_micro_batch
 
@@ -9,9 +10,11 @@ Variants (micro-batch lengths are what a collator that pads to the longest seque
   same_length                  accumulation 2, one length throughout: one graph for every micro-batch
   past_warmup                  accumulation 1, a new length every step, 8 steps: past DeepCompile ZeRO-3's WARMUP
                                step (5), where every graph is compiled again with prefetching and selective gathering
+  past_warmup_same_length      the same, one length throughout: static graphs, compiled again in place at WARMUP
 
 fp32, so that DeepCompile and eager ZeRO agree to rounding and a lost or doubled micro-batch stands out. Also
-records how many graphs Inductor lowered in each optimizer step (test_deepcompile_lowers_only_the_last_cycle.py),
+records how many graphs Dynamo traced and Inductor lowered in each optimizer step
+(test_deepcompile_lowers_only_the_last_cycle.py),
 and with --profile-last-step how many times the last step called each of DeepCompile's ops (`dc::...`, as the
 dispatcher records them for torch.profiler; test_deepcompile_z3_prefetches.py).
 DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile ZeRO-3's schedule:
@@ -39,6 +42,7 @@ VARIANTS = {
     "new_length_each_micro_batch": (2, 3, lambda i: 33 + 3 * i),
     "same_length": (2, 3, lambda i: 37),
     "past_warmup": (1, 8, lambda i: 33 + 3 * i),
+    "past_warmup_same_length": (1, 8, lambda i: 37),
 }
 
 
@@ -68,8 +72,8 @@ def _dc_op_calls(rec):
     rec["dc_op_calls"] = {e.key: e.count for e in prof.key_averages() if e.key.startswith("dc::")}
 
 
-def make_batch(index, length):
-    return zoo_models.token_batch("llama", 2000 + index, MICRO_BATCH, length)
+def make_batch(model, index, length):
+    return zoo_models.token_batch(model, 2000 + index, MICRO_BATCH, length)
 
 
 def main(report):
@@ -77,6 +81,7 @@ def main(report):
     ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
     ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
     ap.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    ap.add_argument("--model", default="llama", choices=sorted(zoo_models.ZOO))
     ap.add_argument("--deadline", type=float, default=400)
     ap.add_argument("--profile-last-step", action="store_true")
     args = ap.parse_args()
@@ -88,7 +93,7 @@ def main(report):
 
     grad_acc, steps, length_of = VARIANTS[args.variant]
     torch.manual_seed(0)
-    model = zoo_models.build("llama")
+    model = zoo_models.build(args.model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args.stage, grad_acc, args.mode == "deepcompile"))
     if args.mode == "deepcompile":
@@ -96,13 +101,15 @@ def main(report):
         if args.stage == 3 and os.environ.get("DCGA_SCHEDULE"):
             kwargs["schedule"] = schedule(os.environ["DCGA_SCHEDULE"])
         engine.compile(**kwargs)
-    rec = report["run"] = dict(stage=args.stage, mode=args.mode, variant=args.variant, losses=[], lengths=[],
+    rec = report["run"] = dict(stage=args.stage, mode=args.mode, variant=args.variant, model=args.model, losses=[],
+                               lengths=[],
                                grad_norms=[], deepcompile_active=bool(engine.is_deepcompile_active()),
-                               inductor_graphs_by_step=[])
-    # Graphs handed to Inductor, summed per optimizer step.
+                               inductor_graphs_by_step=[], dynamo_graphs_by_step=[])
+    # Graphs handed to Inductor, and graphs Dynamo traced, summed per optimizer step.
     lowered = compile_phases.InductorGraphs()
+    traced = compile_phases.DynamoGraphs()
     for i in range(steps * grad_acc):
-        batch = make_batch(i, length_of(i))
+        batch = make_batch(args.model, i, length_of(i))
         last = i == steps * grad_acc - 1
         with _dc_op_calls(rec) if args.profile_last_step and last else contextlib.nullcontext():
             loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
@@ -115,6 +122,7 @@ def main(report):
             norm = engine.get_global_grad_norm()
             rec["grad_norms"].append(None if norm is None else float(norm))
             rec["inductor_graphs_by_step"].append(lowered.since_last())
+            rec["dynamo_graphs_by_step"].append(traced.since_last())
         report.write()
     cancel_deadline()
     engine.destroy()
