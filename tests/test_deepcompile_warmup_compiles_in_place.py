@@ -7,7 +7,9 @@ ZeRO-3 run and compares its values with eager ZeRO-3; this checks the contract o
 - the last schedule entry leaves Dynamo's cache alone, and the next call of the graph runs that entry's passes on the
   kept graph, with the call's inputs, then lowers it, once;
 - a graph with symbolic shapes is not kept, and the entry then resets Dynamo and traces every graph again, as does an
-  entry that is not the last.
+  entry that is not the last;
+- the profile kept for a restart is kept per schedule entry: a graph compiled again in place has the same code as at
+  step 0, and the later entry must not plan from a profile taken before the optimizer's states existed.
 """
 
 import importlib.util
@@ -130,6 +132,17 @@ CODE = """
 
     made = run([(0, ["a"]), (3, ["b"]), (5, ["c"])], {0: kept_graph, 3: kept_graph})
     assert [m for m in made if isinstance(m, tuple)] == [(0, True), (3, True), (5, False)], made
+
+    # 4. A graph compiled again in place has its code of step 0, but is profiled for the later entry: a profile kept
+    # for a restart (beside Inductor's cache) is kept per entry, so the later entry never plans from step 0's memory.
+    from deepspeed.compile.profilers import graph_profile
+    assert graph_profile.schedule_entry == 3, graph_profile.schedule_entry
+    gm = torch.fx.symbolic_trace(f)
+    paths = []
+    for entry in (1, 2, 2):
+        graph_profile.schedule_entry = entry
+        paths.append(graph_profile._kept_profile_file("time", gm.graph, [x, y], torch.device("cpu")))
+    assert paths[0] is not None and paths[0] != paths[1] == paths[2], paths
     print("COMPILES_IN_PLACE_OK")
 """
 
