@@ -117,6 +117,11 @@ def test_each_rank_gets_micro_batches_of_its_own_length_and_padding(monkeypatch,
     assert zoo_cell.LENGTHS[:len(old)] == old
 
 
+# The ranks of the workers below reach their deadlines at most 4 s apart and faulthandler writes 5 s after one: a
+# rank outlives its deadline by 12 s (founding_common.DEADLINE_GRACE_S), not the zoo's 30, which the tests waited out
+# (rank 1 holding the GIL burnt a core meanwhile).
+GRACE = {"DIST_DEADLINE_GRACE_S": "12"}
+
 BUSY_WORKER = """\
 import os, re, sys, threading, time
 sys.path.insert(0, {workers!r})
@@ -155,7 +160,7 @@ def test_a_deadline_dump_shows_the_main_thread_first_beside_busy_threads(two_ran
     (tmp_path / "workers").mkdir()
     script = tmp_path / "workers" / "hung.py"
     script.write_text(BUSY_WORKER.format(workers=os.path.dirname(zoo_cell.__file__)))
-    res = DistJob(str(script), nprocs=2, timeout=90).start().wait()
+    res = DistJob(str(script), nprocs=2, timeout=90, env=GRACE).start().wait()
     assert sorted(res.stacks) == [0, 1], (res.stacks, res.tail())
     key = ("cell", "llama", "2+oc", "deepcompile")
     summary = zoo._summaries(key, res)[key]
@@ -190,7 +195,7 @@ def test_a_hung_cell_keeps_every_ranks_stacks(two_ranks, tmp_path):
     from dist import DistJob
     script = tmp_path / "hung.py"
     script.write_text(HUNG_WORKER.format(workers=os.path.dirname(zoo_cell.__file__)))
-    res = DistJob(str(script), nprocs=2, timeout=90).start().wait()
+    res = DistJob(str(script), nprocs=2, timeout=90, env=GRACE).start().wait()
     assert sorted(res.stacks) == [0, 1], (res.stacks, res.tail())
     key = ("cell", "llama", "2+oc", "deepcompile")
     summary = zoo._summaries(key, res)[key]
