@@ -33,18 +33,41 @@ MANY = 70  # --lengths many: rank 1 passes this many more tensors, more sizes th
 DIRECT = {0: (40, 40), 1: (45, 50)}
 
 
+SCENARIOS = sorted(LENGTHS) + ["equal-then-differ", "train-then-call-directly"]
+
+
 def main(report):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", choices=sorted(LENGTHS) + ["equal-then-differ", "train-then-call-directly"],
-                    required=True)
+    ap.add_argument("--lengths", choices=SCENARIOS)
     ap.add_argument("--unrecorded", action="store_true",
                     help="equal-then-differ without the record of sizes once agreed (the engine keeps one)")
+    ap.add_argument("--scenarios", nargs="+", metavar="LENGTHS[+unrecorded]",
+                    help="several --lengths one after another in this process, each reported under "
+                    "report['scenarios'][NAME] with a final bucket of its own")
     args = ap.parse_args()
-    import torch
+    import torch._dynamo
     import deepspeed
-    from deepspeed.compile.util import mark_dims_that_differ_across_ranks_dynamic
-
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    if args.scenarios is None:
+        if args.lengths is None:
+            ap.error("give --lengths or --scenarios")
+        return scenario(report, args.lengths, args.unrecorded)
+    report["scenarios"] = {}
+    for name in args.scenarios:
+        lengths, _, unrecorded = name.partition("+")
+        if lengths not in SCENARIOS or unrecorded not in ("", "unrecorded"):
+            raise ValueError(f"--scenarios {name}: want one of {SCENARIOS}, +unrecorded after equal-then-differ")
+        # What a process of its own starts from: no graph, guard or automatic-dynamic record of the one before.
+        torch._dynamo.reset()
+        sub = report["scenarios"][name] = {"rank": report["rank"]}
+        scenario(sub, lengths, bool(unrecorded))
+        report.write()
+
+
+def scenario(report, lengths, unrecorded):
+    """One --lengths run: records into `report` what the test of it reads, and ends with the final bucket."""
+    import torch
+    from deepspeed.compile.util import mark_dims_that_differ_across_ranks_dynamic
     rank = report["rank"]
     graphs = report["graphs"] = []
 
@@ -72,7 +95,7 @@ def main(report):
             return self.out(h).logsumexp(-1).sum()
 
     torch.manual_seed(0)
-    if args.lengths == "train-then-call-directly":
+    if lengths == "train-then-call-directly":
         from deepspeed.compile import util
         model, agreed = Net(), set()
         model.compile(backend=record)
@@ -95,8 +118,8 @@ def main(report):
             model(**batch(eval_length))  # the Trainer's evaluation calls the model itself
         return reduce_the_final_bucket(report)
     net = torch.compile(Net(), backend=record)
-    if args.lengths == "equal-then-differ":
-        agreed = None if args.unrecorded else set()
+    if lengths == "equal-then-differ":
+        agreed = None if unrecorded else set()
         report["marked"] = []
         for length in STEPS[rank]:
             ids = torch.randint(0, 16, (2, length))
@@ -105,12 +128,12 @@ def main(report):
             net(**kwargs)
             report.setdefault("graphs_after", []).append(len(graphs))
         return reduce_the_final_bucket(report)
-    length = LENGTHS[args.lengths][rank]
+    length = LENGTHS[lengths][rank]
     ids = torch.randint(0, 16, (2, length))
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    if args.lengths == "extra" and rank == 1:
+    if lengths == "extra" and rank == 1:
         kwargs["extra"] = torch.zeros(3)
-    if args.lengths == "many" and rank == 1:
+    if lengths == "many" and rank == 1:
         kwargs["extra"] = [torch.zeros(3) for _ in range(MANY)]
     report["marked"] = mark_dims_that_differ_across_ranks_dynamic(((), kwargs))
     net(**kwargs)
