@@ -16,10 +16,13 @@ logged (engine.get_global_grad_norm), the evaluation losses, and a sha256 prefix
 (ZeRO-3 gathered); besides, the sequence lengths of the micro-batches, whether the engine says it is compiled and
 Dynamo's count of frames it compiled (so that a run that never compiled cannot pass for one that did).
 
-  python tests/cpu_workers/zero_compile_diff.py --stages 1 3 [--backend inductor] [--perturb STAGE] [--deadline S]
+  python tests/cpu_workers/zero_compile_diff.py --stages 1 3 [--backend inductor] [--perturb STAGE] [--control STAGE]
+                                                [--deadline S]
 
---perturb STAGE raises that cell's learning rate by 2**-10 of itself (the control: it must differ). A cell that
-raises records its exception and the next one runs.
+--perturb STAGE raises that cell's learning rate by 2**-10 of itself (the control: it must differ). --control STAGE
+runs, after the cells of --stages, that stage's cell once more so perturbed, recorded as the cell `control` (the
+control in the process of the cells, instead of a process of its own). A cell that raises records its exception and
+the next one runs.
 """
 
 import argparse
@@ -122,19 +125,22 @@ def main(report):
     parser.add_argument("--stages", nargs="+", type=int, required=True)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--perturb", type=int, default=None)
+    parser.add_argument("--control", type=int, default=None)
     parser.add_argument("--deadline", type=float, default=300)
     args = parser.parse_args()
     stacks_at_deadline(args.deadline)
     import transformers
 
     zero_diff.start_run(report, transformers_version=transformers.__version__, backend=args.backend)
-    for stage in args.stages:
-        name = f"z{stage}"
+    cells = [(f"z{stage}", stage, args.perturb == stage) for stage in args.stages]
+    if args.control is not None:
+        cells.append(("control", args.control, True))
+    for name, stage, perturb in cells:
         report["cells"][name] = {"reached": "start"}
         report.write()
         start = time.time()
         try:
-            rec = run_cell(stage, args.backend, args.perturb == stage)
+            rec = run_cell(stage, args.backend, perturb)
         except Exception as exc:
             rec = {"error": f"{type(exc).__name__}: {exc}"[:400], "traceback": traceback.format_exc()[-3000:]}
         rec["seconds"] = round(time.time() - start, 1)
