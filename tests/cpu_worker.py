@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -21,6 +22,18 @@ def cpu_env(**extra):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(name, None)
     return env
+
+
+def run_code(code, marker, timeout=300):
+    """Run `code` (indented as a test module's string may be) in a process of its own on DeepSpeed's CPU accelerator;
+    skips where deepspeed is missing, fails unless the process ends well having printed `marker`. Returns its
+    output."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=cpu_env(), timeout=timeout)
+    assert proc.returncode == 0 and marker in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
 
 
 def run(script, args, prefix, cwd, timeout=600, **extra_env):

@@ -7,13 +7,7 @@ graph back as a boxed callable (AOT autograd's calling convention) computing wha
 the compiler it wraps; with lowering on it calls that compiler, as before.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-
-import pytest
+import cpu_worker
 
 CODE = """
     import torch
@@ -56,10 +50,5 @@ CODE = """
 
 
 def test_a_cycle_that_is_not_lowered_runs_the_rewritten_graph_without_the_wrapped_compiler():
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed")
     # A process of its own: importing deepspeed here would pick the CPU accelerator for the whole pytest process.
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CODE)], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0 and "LOWERING_CONTRACT_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    cpu_worker.run_code(CODE, "LOWERING_CONTRACT_OK")

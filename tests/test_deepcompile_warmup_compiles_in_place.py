@@ -12,13 +12,7 @@ ZeRO-3 run and compares its values with eager ZeRO-3; this checks the contract o
   step 0, and the later entry must not plan from a profile taken before the optimizer's states existed.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
-
-import pytest
+import cpu_worker
 
 CODE = """
     import functools
@@ -148,10 +142,5 @@ CODE = """
 
 
 def test_the_last_entry_compiles_the_kept_graphs_at_their_next_call_without_resetting_dynamo():
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed")
     # A process of its own: importing deepspeed here would pick the CPU accelerator for the whole pytest process.
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CODE)], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0 and "COMPILES_IN_PLACE_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    cpu_worker.run_code(CODE, "COMPILES_IN_PLACE_OK")
