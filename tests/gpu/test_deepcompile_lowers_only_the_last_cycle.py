@@ -30,6 +30,9 @@ from dist import DistJob, skip_reason
 TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "480"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_grad_accumulation.py")
 DENSE = ("llama", "qwen2_tied", "llama_lora", "llama_ckpt")
+# In fp32 the backward of transformers' grouped_mm fallback for the experts is not traceable by AOT autograd: Dynamo
+# runs that part eagerly (deepcompile-failed-compile-leaves-no-frame), and the graph after it has data-dependent sizes.
+MOE = ("qwen2_moe", "mixtral")
 # name: (zoo model, ZeRO stage, mode, worker variant)
 JOBS = {
     "z3-eager": ("llama", "3", "eager", "past_warmup"),
@@ -37,7 +40,7 @@ JOBS = {
     "z1-deepcompile": ("llama", "1", "deepcompile", "past_warmup"),
     **{
         f"z3-{mode}-same-length-{model}": (model, "3", mode, "past_warmup_same_length")
-        for model in DENSE for mode in ("eager", "deepcompile")
+        for model in DENSE + MOE for mode in ("eager", "deepcompile")
     },
 }
 WARMUP = 5  # deepspeed.compile.init_z3.WARMUP, checked against the installed deepspeed where a GPU runs the test
@@ -83,7 +86,7 @@ def test_zero3_lowers_no_graph_before_warmup_and_keeps_eager_values(runs):
     assert traced[WARMUP] > 0, f"graphs of symbolic sizes were not traced again at WARMUP: {traced}"
 
 
-@pytest.mark.parametrize("model", DENSE)
+@pytest.mark.parametrize("model", DENSE + MOE)
 def test_zero3_warmup_compiles_its_static_graphs_without_tracing_the_model_again(runs, model):
     eager, dc = runs[f"z3-eager-same-length-{model}"], runs[f"z3-deepcompile-same-length-{model}"]
     traced, lowered = dc["dynamo_graphs_by_step"], dc["inductor_graphs_by_step"]
@@ -91,8 +94,9 @@ def test_zero3_warmup_compiles_its_static_graphs_without_tracing_the_model_again
           f"graphs handed to Inductor {lowered}\ngrad norms eager {eager['grad_norms']}\n"
           f"       deepcompile {dc['grad_norms']}")
     assert dc["deepcompile_active"] and len(traced) == len(eager["grad_norms"]) == 8
-    assert traced[0] > 0 and sum(traced[1:]) == 0, f"Dynamo traced graphs after the first step: {traced}"
-    assert sum(lowered[:WARMUP]) == 0 and lowered[WARMUP] > 0 and sum(lowered[WARMUP + 1:]) == 0, lowered
+    if model in DENSE:  # the MoE rows: their values only (their expert graphs' sizes depend on the routing)
+        assert traced[0] > 0 and sum(traced[1:]) == 0, f"Dynamo traced graphs after the first step: {traced}"
+        assert sum(lowered[:WARMUP]) == 0 and lowered[WARMUP] > 0 and sum(lowered[WARMUP + 1:]) == 0, lowered
     for got, want in zip(dc["grad_norms"] + dc["losses"], eager["grad_norms"] + eager["losses"]):
         assert math.isfinite(got) and abs(got - want) <= RTOL * abs(want), (dc["grad_norms"], eager["grad_norms"])
 
