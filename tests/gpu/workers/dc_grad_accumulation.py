@@ -1,6 +1,6 @@
 """Worker for test_deepcompile_grad_accumulation.py: the zoo's Llama (or --model, another zoo row) trained in fp32
 with gradient accumulation, eagerly or under DeepCompile, reporting the global gradient norm of every optimizer step
-and every loss.
+and every loss, and how many parameters DeepCompile ZeRO-3 kept gathered.
 
   python tests/gpu/workers/dc_grad_accumulation.py --stage 1 --mode deepcompile --variant new_length_each_micro_batch
 
@@ -23,7 +23,9 @@ DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile Ze
 
 import argparse
 import contextlib
+import logging
 import os
+import re
 import sys
 
 import torch
@@ -72,6 +74,24 @@ def _dc_op_calls(rec):
     rec["dc_op_calls"] = {e.key: e.count for e in prof.key_averages() if e.key.startswith("dc::")}
 
 
+class KeptGathered(logging.Handler):
+    """Counts the parameters DeepCompile ZeRO-3's selective_gather kept gathered, from the line it logs (DeepSpeed's
+    logger at INFO; its own handler keeps WARNING, so the worker prints what it printed before)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+        from deepspeed.utils import logger
+        logger.addHandler(self)
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+
+    def emit(self, record):
+        found = re.search(r"selective_gather selected_count=(\d+)", record.getMessage())
+        if found:
+            self.count += int(found.group(1))
+
+
 def make_batch(model, index, length):
     return zoo_models.token_batch(model, 2000 + index, MICRO_BATCH, length)
 
@@ -90,6 +110,7 @@ def main(report):
     device = setup_device()
     describe(report)
     import deepspeed
+    kept_gathered = KeptGathered()
 
     grad_acc, steps, length_of = VARIANTS[args.variant]
     torch.manual_seed(0)
@@ -123,6 +144,7 @@ def main(report):
             rec["grad_norms"].append(None if norm is None else float(norm))
             rec["inductor_graphs_by_step"].append(lowered.since_last())
             rec["dynamo_graphs_by_step"].append(traced.since_last())
+            rec["kept_gathered"] = kept_gathered.count
         report.write()
     cancel_deadline()
     engine.destroy()
