@@ -1,0 +1,111 @@
+"""Worker for tests/test_deepcompile_z1_grad_buffers_in_one_call.py: DeepCompile ZeRO-1's gradient buffers, handed to
+the native registry at each step, and the values trained with them. One process on CPU (gloo, DS_ACCELERATOR=cpu).
+
+  python tests/cpu_workers/dc_z1_grad_buffers.py
+
+DeepCompile's native op needs CUDA: it is replaced by a recorder of its calls, and DeepCompile's backend by one that
+runs each graph as traced, so the gradients land in `param.grad` and DeepCompile's ZeRO-1 init reduces them into the
+buffers it made for the step (the path of frames Dynamo does not compile). Everything else is real:
+deepspeed.initialize, engine.compile() with DeepCompile's ZeRO-1 init, and the ZeRO-1 optimizer reading the buffers.
+The same model and batches also train on eager ZeRO-1. Reports (one line, Z1_BUFFERS_REPORT): the recorder's calls
+by name over the steps, the slices the last step's buffer was cut into, and the largest difference between the two
+engines' parameters.
+"""
+
+import collections
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import ensure_dist_env, init_distributed  # noqa: E402
+
+PREFIX = "Z1_BUFFERS_REPORT "
+STEPS = 3
+LAYERS = 6
+
+
+class Net(torch.nn.Module):  # defined here, not in torch: Dynamo skips torch's own modules' frames
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(LAYERS))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class Recorder:
+    """Stands in for the native op: counts its calls; keeps the last flat buffer's slices."""
+
+    def __init__(self):
+        self.calls = collections.Counter()
+        self.slices = None
+
+    def set_param_grad_buffers(self, ds_ids, flat, starts, numels, offsets):
+        self.calls["set_param_grad_buffers"] += 1
+        self.slices = dict(ids=list(ds_ids), starts=list(starts), numels=list(numels), offsets=list(offsets),
+                           flat_numel=flat.numel(), flat_zero=bool((flat == 0).all()))
+
+    def __getattr__(self, name):
+
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+
+        return call
+
+
+def config(deepcompile):
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 1},
+        "compile": {"deepcompile": deepcompile},
+    }
+
+
+def train(deepspeed, deepcompile):
+    torch.manual_seed(0)
+    model = Net()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(deepcompile))
+    if deepcompile:
+        engine.compile()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x = torch.randn(4, 16, generator=gen)
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def main():
+    ensure_dist_env()  # one process: rank 0 of 1
+    import deepspeed
+    import deepspeed.compile.init_z1_and_2 as init_z12
+
+    init_distributed("gloo")
+    recorder = Recorder()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("deepspeed") and hasattr(module, "get_deepcompile_handle"):
+            module.get_deepcompile_handle = lambda: recorder
+
+    def stand_in_backend(*args, **kwargs):
+        return lambda gm, example_inputs: gm.forward
+
+    init_z12.make_backend = stand_in_backend
+    eager = train(deepspeed, deepcompile=False)
+    compiled = train(deepspeed, deepcompile=True)
+    diff = max(float((a - b).abs().max()) for a, b in zip(eager, compiled))
+    print(PREFIX + json.dumps(dict(steps=STEPS, numels=[p.numel() for p in Net().parameters()],
+                                   calls=dict(recorder.calls), slices=recorder.slices, max_param_diff=diff)),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
