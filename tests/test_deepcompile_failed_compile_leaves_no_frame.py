@@ -12,26 +12,13 @@ whose AOT autograd call fails, then another: the second compiles, and the graph 
 the second graph only.
 """
 
-import socket
 import textwrap
 
 import cpu_worker
-from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
+from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS, ONE_RANK_BACKEND, free_port
 
 CODE = """
     import types
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
-    deepspeed.init_distributed(dist_backend="gloo")
-    import deepspeed.compile.backend as backend
-    from deepspeed.compile.config import CompileConfig
-
-    class Handle:
-        def reset(self):
-            pass
-
-    backend.get_deepcompile_handle = lambda: Handle()
-    backend.init_schedule([(0, [])])
-    backend.launch_compile_passes(0)
     compile_graph = backend.make_backend("eager", CompileConfig())
 
     trace = backend.aot_module_simplified
@@ -60,12 +47,6 @@ CODE = """
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_graph_after_a_failed_compile_compiles():
-    cpu_worker.run_code(textwrap.dedent(DEFINE_OPS) + textwrap.dedent(CODE.format(port=free_port())),
-                        "FAILED_COMPILE_FORGOTTEN", timeout=600)
+    code = ONE_RANK_BACKEND.format(port=free_port()) + CODE
+    cpu_worker.run_code(textwrap.dedent(DEFINE_OPS) + textwrap.dedent(code), "FAILED_COMPILE_FORGOTTEN", timeout=600)

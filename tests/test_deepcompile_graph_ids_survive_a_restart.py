@@ -12,30 +12,19 @@ report the ids their graphs got: equal in both, and distinct within each."""
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
+from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS, ONE_RANK_BACKEND, free_port
 
-COMPILE = """
+PADDING = """
     import sys
     padding = [bytearray({padding}) for _ in range(100)]  # another heap in each process
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
-    deepspeed.init_distributed(dist_backend="gloo")
-    import deepspeed.compile.backend as backend
-    from deepspeed.compile.config import CompileConfig
-
-    class Handle:
-        def reset(self):
-            pass
-
-    backend.get_deepcompile_handle = lambda: Handle()
-    backend.init_schedule([(0, [])])
-    backend.launch_compile_passes(0)
+"""
+COMPILE = """
     compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)),
                              backend=backend.make_backend("eager", CompileConfig()), dynamic=False)
     for rows in (4, 6):  # two shapes, two graphs
@@ -44,14 +33,9 @@ COMPILE = """
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def graph_ids(padding):
-    script = textwrap.dedent(DEFINE_OPS) + textwrap.dedent(COMPILE.format(padding=padding, port=free_port()))
+    code = PADDING.format(padding=padding) + ONE_RANK_BACKEND.format(port=free_port()) + COMPILE
+    script = textwrap.dedent(DEFINE_OPS) + textwrap.dedent(code)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -11,6 +11,7 @@ fixes its accelerator for the whole session."""
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -31,6 +32,29 @@ DEFINE_OPS = """
     for s in schemas:
         lib.define(s)
 """
+
+# After DEFINE_OPS: DeepCompile's backend module in a process of one gloo rank, its native handle stood in for, the
+# schedule's one entry launched. Formatted with the rank's port (free_port()).
+ONE_RANK_BACKEND = """
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+    deepspeed.init_distributed(dist_backend="gloo")
+    import deepspeed.compile.backend as backend
+    from deepspeed.compile.config import CompileConfig
+
+    class Handle:
+        def reset(self):
+            pass
+
+    backend.get_deepcompile_handle = lambda: Handle()
+    backend.init_schedule([(0, [])])
+    backend.launch_compile_passes(0)
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(code):
