@@ -1,5 +1,6 @@
 """Worker for tests/test_deepcompile_z1_grad_buffers_in_one_call.py: DeepCompile ZeRO-1's gradient buffers, handed to
-the native registry at each step, and the values trained with them. One process on CPU (gloo, DS_ACCELERATOR=cpu).
+the native registry at each step, and the values trained with them. On CPU (gloo, DS_ACCELERATOR=cpu), one rank or
+several under tests/gpu/dist.py's launcher (cpu_worker.run_ranks).
 
   python tests/cpu_workers/dc_z1_grad_buffers.py
 
@@ -7,24 +8,22 @@ DeepCompile's native op needs CUDA: it is replaced by a recorder of its calls, a
 runs each graph as traced, so the gradients land in `param.grad` and DeepCompile's ZeRO-1 init reduces them into the
 buffers it made for the step (the path of frames Dynamo does not compile). Everything else is real:
 deepspeed.initialize, engine.compile() with DeepCompile's ZeRO-1 init, and the ZeRO-1 optimizer reading the buffers.
-The same model and batches also train on eager ZeRO-1. Reports (one line, Z1_BUFFERS_REPORT): the recorder's calls
-by name over the steps, the slices the last step's buffer was cut into, and the largest difference between the two
-engines' parameters.
+The same model and batches (each rank its own) also train on eager ZeRO-1. Reports (each rank, founding_common's
+report): the recorder's calls by name over the steps, the slices the last step's buffer was cut into, each
+parameter's size by its id, and the largest difference between the two engines' parameters.
 """
 
 import collections
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
-from founding_common import ensure_dist_env, init_distributed  # noqa: E402
+from founding_common import init_distributed, run_worker  # noqa: E402
 
-PREFIX = "Z1_BUFFERS_REPORT "
 STEPS = 3
-LAYERS = 6
+LAYERS = 5  # 1,360 parameters: at two ranks the third weight lies across the partitions
 
 
 class Net(torch.nn.Module):  # defined here, not in torch: Dynamo skips torch's own modules' frames
@@ -75,17 +74,16 @@ def train(deepspeed, deepcompile):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config(deepcompile))
     if deepcompile:
         engine.compile()
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1 + int(os.environ["RANK"]))
     for _ in range(STEPS):
         x = torch.randn(4, 16, generator=gen)
         loss = engine(x).square().mean()
         engine.backward(loss)
         engine.step()
-    return [p.detach().clone() for p in engine.module.parameters()]
+    return engine
 
 
-def main():
-    ensure_dist_env()  # one process: rank 0 of 1
+def main(report):
     import deepspeed
     import deepspeed.compile.init_z1_and_2 as init_z12
 
@@ -101,11 +99,10 @@ def main():
     init_z12.make_backend = stand_in_backend
     eager = train(deepspeed, deepcompile=False)
     compiled = train(deepspeed, deepcompile=True)
-    diff = max(float((a - b).abs().max()) for a, b in zip(eager, compiled))
-    print(PREFIX + json.dumps(dict(steps=STEPS, numels=[p.numel() for p in Net().parameters()],
-                                   calls=dict(recorder.calls), slices=recorder.slices, max_param_diff=diff)),
-          flush=True)
+    diff = max(float((a - b).abs().max()) for a, b in zip(eager.module.parameters(), compiled.module.parameters()))
+    report.update(steps=STEPS, numels={str(p.param_id): p.numel() for p in compiled.module.parameters()},
+                  calls=dict(recorder.calls), slices=recorder.slices, max_param_diff=diff)
 
 
 if __name__ == "__main__":
-    main()
+    run_worker("dc-z1-grad-buffers", main, hard_exit=True)
