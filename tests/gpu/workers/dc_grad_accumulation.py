@@ -23,7 +23,6 @@ DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile Ze
 
 import argparse
 import contextlib
-import logging
 import os
 import re
 import sys
@@ -36,6 +35,8 @@ from founding_common import describe, run_worker, setup_device, stacks_at_deadli
 import compile_phases  # noqa: E402
 import ds_configs  # noqa: E402
 import zoo_models  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tools"))
+from bench_step import SelectiveGatherLog  # noqa: E402
 
 MICRO_BATCH = 2
 LR = 1e-3
@@ -74,24 +75,6 @@ def _dc_op_calls(rec):
     rec["dc_op_calls"] = {e.key: e.count for e in prof.key_averages() if e.key.startswith("dc::")}
 
 
-class KeptGathered(logging.Handler):
-    """Counts the parameters DeepCompile ZeRO-3's selective_gather kept gathered, from the line it logs (DeepSpeed's
-    logger at INFO; its own handler keeps WARNING, so the worker prints what it printed before)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.count = 0
-        from deepspeed.utils import logger
-        logger.addHandler(self)
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
-
-    def emit(self, record):
-        found = re.search(r"selective_gather selected_count=(\d+)", record.getMessage())
-        if found:
-            self.count += int(found.group(1))
-
-
 def make_batch(model, index, length):
     return zoo_models.token_batch(model, 2000 + index, MICRO_BATCH, length)
 
@@ -110,7 +93,7 @@ def main(report):
     device = setup_device()
     describe(report)
     import deepspeed
-    kept_gathered = KeptGathered()
+    selective_gather = SelectiveGatherLog()
 
     grad_acc, steps, length_of = VARIANTS[args.variant]
     torch.manual_seed(0)
@@ -144,7 +127,9 @@ def main(report):
             rec["grad_norms"].append(None if norm is None else float(norm))
             rec["inductor_graphs_by_step"].append(lowered.since_last())
             rec["dynamo_graphs_by_step"].append(traced.since_last())
-            rec["kept_gathered"] = kept_gathered.count
+            rec["kept_gathered"] = sum(
+                int(m.group(1)) for line in selective_gather.lines
+                for m in [re.search(r"selective_gather selected_count=(\d+)", line)] if m)
         report.write()
     cancel_deadline()
     engine.destroy()
