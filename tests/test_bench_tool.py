@@ -58,22 +58,31 @@ def test_every_subject_of_the_tiny_set_gives_interleaved_timed_blocks(tmp_path):
         assert json.load(f)["traceEvents"], "empty trace"
 
 
-def test_two_ranks_run_the_protocol_and_the_profile_together(tmp_path):
-    """--gpus 2 (torchrun, gloo here): every rank takes each request, the profile included (each rank removed the
-    request file, so a rank could miss it and the profiled rank wait in a collective the other never joined)."""
+@pytest.fixture(scope="module")
+def world_sizes(tmp_path_factory):
+    """One run of ds-z1 at world sizes 2 and 1 (torchrun and gloo for the two ranks), each process on GPUs of its own
+    (--apart), profiled after its timed blocks: what the tests of several ranks below read. (out, bench.json)"""
     pytest.importorskip("deepspeed")
     pytest.importorskip("transformers")
-    proc = bench("--sets", "tiny", "--only", "ds-z1", "--gpus", "2", "--repeats", "2", "--steps", "2", "--warmup", "1",
-                 "--group-deadline-s", "600", "--budget-s", "700", "--profile", "ds-z1", "--out", str(tmp_path),
-                 timeout=900)
+    out = tmp_path_factory.mktemp("bench-world-sizes")
+    proc = bench("--sets", "tiny", "--only", "ds-z1", "--gpus", "2,1", "--apart", "5,6,7", "--repeats", "2", "--steps",
+                 "2", "--warmup", "1", "--group-deadline-s", "600", "--budget-s", "700", "--profile", "ds-z1", "--out",
+                 str(out), timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    with open(tmp_path / "bench.json") as f:
-        (row, ) = json.load(f)["rows"]
+    with open(out / "bench.json") as f:
+        return out, json.load(f)
+
+
+def test_two_ranks_run_the_protocol_and_the_profile_together(world_sizes):
+    """--gpus 2 (torchrun, gloo here): every rank takes each request, the profile included (each rank removed the
+    request file, so a rank could miss it and the profiled rank wait in a collective the other never joined)."""
+    out, data = world_sizes
+    (row, ) = [r for r in data["rows"] if r["gpus"] == 2]
     assert "error" not in row, row.get("output_tail")
     assert row["world_size"] == 2 and row["tokens_per_step"] == 2 * 2 * 32 and len(row["blocks"]) == 2, row
     assert row["profile"]["host_aten_ops"] > 0, row["profile"]
     # A trace of each rank: rank 1's shows what rank 0's cannot, the time a collective waited for the other rank.
-    traces = sorted(os.listdir(tmp_path / "traces"))
+    traces = sorted(name for name in os.listdir(out / "traces") if ".2gpu" in name)
     assert len(traces) == 2 and traces[1] == traces[0][:-len(".json")] + ".rank1.json", traces
 
 
@@ -571,34 +580,22 @@ def test_weak_scaling_is_tokens_per_gpu_against_the_smallest_world_size(tmp_path
     assert "| s | dc-z3 | fork | 20480 (100.0 %) | 16384 (80.0 %) |" in md
 
 
-def test_several_world_sizes_run_side_by_side_in_one_group(tmp_path):
+def test_several_world_sizes_run_side_by_side_in_one_group(world_sizes, tmp_path):
     """--gpus 1,2: one process a world size, timed in turns; the weak-scaling table compares them (gloo here)."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("transformers")
-    proc = bench("--sets", "tiny", "--only", "ds-z1", "--gpus", "2,1", "--repeats", "2", "--steps", "2", "--warmup",
-                 "1", "--group-deadline-s", "600", "--budget-s", "700", "--out", str(tmp_path), timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    with open(tmp_path / "bench.json") as f:
-        data = json.load(f)
+    out, data = world_sizes
     assert data["gpus"] == [1, 2]
     assert [(r["gpus"], r["world_size"], len(r["blocks"])) for r in data["rows"]] == [(1, 1, 2), (2, 2, 2)], data
-    assert "| tiny | ds-z1 | here |" in (tmp_path / "bench.md").read_text()
+    assert "| tiny | ds-z1 | here |" in (out / "bench.md").read_text()
     assert bench("--gpus", "2,x", "--out", str(tmp_path / "bad")).returncode == 2
 
 
-def test_apart_gives_each_process_gpus_of_its_own(tmp_path):
+def test_apart_gives_each_process_gpus_of_its_own(world_sizes):
     """--apart: the processes of a group take the listed GPUs one after another (a 1-rank and a 2-rank process of
     one subject here), so that none shares a device with another's compiles and memory (gloo on CPU: the visible
     devices each process saw are what is checked)."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("transformers")
-    proc = bench("--sets", "tiny", "--only", "ds-z1", "--gpus", "1,2", "--apart", "5,6,7", "--repeats", "1", "--steps",
-                 "1", "--warmup", "1", "--group-deadline-s", "600", "--budget-s", "700", "--out", str(tmp_path),
-                 timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    with open(tmp_path / "bench.json") as f:
-        rows = json.load(f)["rows"]
-    assert [(r["gpus"], r["devices"], r["cuda_visible_devices"]) for r in rows] == [(1, "5", "5"), (2, "6,7", "6,7")]
+    _, data = world_sizes
+    assert [(r["gpus"], r["devices"], r["cuda_visible_devices"]) for r in data["rows"]] == [(1, "5", "5"),
+                                                                                            (2, "6,7", "6,7")]
 
 
 def test_a_site_holds_what_lies_in_its_folder_reached_through_links(tmp_path):
