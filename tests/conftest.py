@@ -10,6 +10,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # forkbuild (the build pipeline) is tested from the checkout; deepspeed never is
+# Inductor on a CPU checks each vector instruction set the CPU reports by building a library and loading it in a
+# new Python process (torch imported again: about 2 s of CPU), in every process that compiles: some 36 processes of the
+# suite's 2-core run. The suite trusts the CPU's report instead (the processes it starts inherit this); the code
+# Inductor generates is the same.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 # The order tests are handed out in (tools/run-tests spreads them over pytest-xdist workers, in this order: its
 # --no-loadscope-reorder). test_arch_list.py first, as one unit: it imports deepspeed's CUDA op builders into the
