@@ -8,8 +8,9 @@ all-gather elsewhere, so Inductor's FX graph cache, keyed on the graph, missed, 
 the first run (82 s and 82 s). The profilers now keep each profile in Inductor's cache folder, keyed on the graph, its
 inputs, the world size, the device and the versions, and a job finding one for every rank uses it instead of
 profiling. The prefetch pass also fuses all-gathers from times it measures once a process, and those too are kept
-(a restart measuring them again fused otherwise, and Inductor missed again). Two gloo ranks on CPU (tests/cpu_workers/dc_profiler_collectives.py), each with a cache of its own that
-outlives the process.
+(a restart measuring them again fused otherwise, and Inductor missed again: 0.81x of the cold warm-up at 1.5B on one
+H200, against 0.51x with them kept). Two gloo ranks on CPU (tests/cpu_workers/dc_profiler_collectives.py), each with
+a cache of its own that outlives the process.
 """
 
 import os
