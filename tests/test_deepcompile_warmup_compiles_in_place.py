@@ -9,7 +9,9 @@ ZeRO-3 run and compares its values with eager ZeRO-3; this checks the contract o
 - a graph with symbolic shapes is not kept, and the entry then resets Dynamo and traces every graph again, as does an
   entry that is not the last;
 - the profile kept for a restart is kept per schedule entry: a graph compiled again in place has the same code as at
-  step 0, and the later entry must not plan from a profile taken before the optimizer's states existed.
+  step 0, and the later entry must not plan from a profile taken before the optimizer's states existed;
+- a graph holding real tensors is kept under AOT autograd's fake mode, sharing them (0.19.8+fork.41-49 cloned them,
+  which failed: the evaluation of a model with activation checkpointing under DeepCompile ZeRO-3 raised).
 """
 
 import cpu_worker
@@ -137,6 +139,45 @@ CODE = """
         graph_profile.schedule_entry = entry
         paths.append(graph_profile._kept_profile_file("time", gm.graph, [x, y], torch.device("cpu")))
     assert paths[0] is not None and paths[0] != paths[1] == paths[2], paths
+
+    # 5. A graph holding real tensors (a submodule's buffer, a plain constant), compiled under AOT autograd's fake mode
+    # as every graph is: the inference graph of a model with activation checkpointing holds one. The kept copy is
+    # made (cloning a real tensor under the fake mode fails) and shares those tensors, not copies of them; its next
+    # call after the last entry runs that entry's passes on the graph before the rewrite, with the same tensors.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class WithTensors(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Module()
+            self.inner.register_buffer("scale", torch.arange(4.0))
+            self.shift = torch.full((4, ), 0.5)
+
+        def forward(self, x, y):
+            return (torch.sin(x) * y * self.inner.scale + self.shift).sum(dim=0), x + 1
+
+    def want_with_tensors(fn, x, y):
+        return (fn(x) * y * torch.arange(4.0) + 0.5).sum(dim=0), x + 1
+
+    cycle_graphs.forget()
+    lowered.clear(), later.clear()
+    last[0] = False
+    gm = torch.fx.symbolic_trace(WithTensors())
+    real = {name: t for name, t in [*gm.named_buffers(), *vars(gm).items()] if isinstance(t, torch.Tensor)}
+    assert len(real) == 2, real
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        compiled = patch_compiler(inductor, first_passes, False, 0, {}, bwd=False, lower_with_inductor=lambda: last[0],
+                                  compile_again=last_passes)(gm, [x, y])
+    cycle_graphs.note_graph_compiled()
+    kept = compiled.graph_module
+    assert kept is not gm and kept.graph is not gm.graph
+    assert any(n.target is torch.sin for n in kept.graph.nodes), "the kept graph is the rewritten one"
+    kept_real = {name: t for name, t in [*kept.named_buffers(), *vars(kept).items()] if isinstance(t, torch.Tensor)}
+    assert kept_real.keys() == real.keys() and all(kept_real[k] is real[k] for k in real), "tensors were copied"
+    assert same(compiled([x, y]), want_with_tensors(torch.cos, x, y))
+    last[0] = True
+    cycle_graphs.compile_again_at_next_call()
+    assert same(compiled([x2, y2]), want_with_tensors(torch.tanh, x2, y2)) and lowered == [True]
     print("COMPILES_IN_PLACE_OK")
 """
 

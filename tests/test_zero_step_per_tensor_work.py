@@ -115,6 +115,26 @@ def test_zero0_unscales_and_copies_back_in_multi_tensor_ops(small, large):
     assert copies == [1, 1], copies
 
 
+def test_zero3_step_walks_the_modules_parameters_once(small, large):
+    """Patch zero3-step-walks-the-parameters-once: every ZeRO-3 step ends by releasing all parameters, which walked
+    the module's parameters three times (release, check, and the same check again); with nothing gathered, as after
+    every DeepCompile ZeRO-3 backward, the walks were the work, host time the device waited out. Now one walk, and the
+    step's result is unchanged (the norm test above, the differential suite)."""
+    walks = [rec["z3_clip"]["zero3_step_host_work"]["walks"] for rec in (small, large)]
+    assert walks == [1, 1], walks
+
+
+def test_zero3_fp32_grads_record_their_stream_reading_it_once(small, large):
+    """Patch zero3-step-reads-the-current-stream-once: on a device with streams, the step records every gradient of a
+    sub-group on the current stream before dropping it, and read that stream again for each gradient (on CUDA the read
+    costs more host time than the record). Now the stream is read once per sub-group (one here, at 24 and 48 tensors),
+    and every gradient is still recorded on it."""
+    work = [rec["z3_clip"]["zero3_step_host_work"] for rec in (small, large)]
+    assert [w["record_stream_calls"] for w in work] == [2 * SMALL, 2 * LARGE], work
+    assert all(w["recorded_on_the_stream_read"] for w in work), work
+    assert [w["stream_reads"] for w in work] == [1, 1], work
+
+
 def run_utils(code):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")

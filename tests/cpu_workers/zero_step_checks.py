@@ -82,6 +82,60 @@ class CountOps(TorchDispatchMode):
         return out
 
 
+class StepHostWork:
+    """Counts, over one ZeRO-3 engine.step(), the walks over the module's parameters (calls of Module.named_parameters)
+    and, in the optimizer's preparation of each sub-group's fp32 gradient, the reads of the accelerator's current
+    stream and the record_stream calls, with which stream each was made. For that preparation the accelerator answers
+    as an asynchronous device does (CUDA: is_synchronized_device() False); record_stream is recorded, not run (a CPU
+    tensor has no stream)."""
+
+    STREAM = object()
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.walks = self.stream_reads = 0
+        self.recorded = []
+
+    def _prepare(self, *args, _prepare, **kwargs):
+        from deepspeed.accelerator import get_accelerator
+        accel = get_accelerator()
+
+        def current_stream(device_index=None):
+            self.stream_reads += 1
+            return self.STREAM
+
+        record_stream = torch.Tensor.record_stream
+        torch.Tensor.record_stream = lambda tensor, stream: self.recorded.append(stream is self.STREAM)
+        accel.is_synchronized_device = lambda: False
+        accel.current_stream = current_stream
+        try:
+            return _prepare(*args, **kwargs)
+        finally:
+            del accel.is_synchronized_device, accel.current_stream  # the class's methods show again
+            torch.Tensor.record_stream = record_stream
+
+    def __enter__(self):
+        walk = torch.nn.Module.named_parameters
+
+        def named_parameters(module, *args, **kwargs):
+            self.walks += 1
+            return walk(module, *args, **kwargs)
+
+        self._walk = walk
+        torch.nn.Module.named_parameters = named_parameters
+        prepare = self.optimizer._prepare_fp32_grad_for_sub_group
+        self.optimizer._prepare_fp32_grad_for_sub_group = lambda *a, **k: self._prepare(*a, _prepare=prepare, **k)
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.Module.named_parameters = self._walk
+        del self.optimizer._prepare_fp32_grad_for_sub_group
+
+    def report(self):
+        return {"walks": self.walks, "stream_reads": self.stream_reads, "record_stream_calls": len(self.recorded),
+                "recorded_on_the_stream_read": all(self.recorded)}
+
+
 def build_model():
     torch.manual_seed(0)
     layers = []
@@ -162,7 +216,12 @@ def run_case(name):
     direct_check = bool(optimizer.has_overflow()) if stage == 3 else None
     if name in MOVED:
         params[MOVED_PARAM].data = params[MOVED_PARAM].data.clone()
-    engine.step()
+    host_work = StepHostWork(optimizer)
+    if stage == 3:
+        with host_work:
+            engine.step()
+    else:
+        engine.step()
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         after = [p.detach().clone() for p in engine.module.parameters()]
     norm = engine.get_global_grad_norm()
@@ -176,6 +235,7 @@ def run_case(name):
         "host_reads": {method: counter.reads for method, counter in counters.items()},
         "copies": {method: counter.copies for method, counter in counters.items()},
         "largest_bytes": {method: counter.largest for method, counter in counters.items()},
+        "zero3_step_host_work": host_work.report() if stage == 3 else None,
         "aliases_flat_buffer": aliases_flat_buffer(optimizer) if stage in (1, 2) else None,
         "moved_param_updated": (not torch.equal(before[MOVED_PARAM], after[MOVED_PARAM])) if name in MOVED else None,
         "grad_norm": None if norm is None else float(norm),
