@@ -48,6 +48,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(module))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_python(tmp_path_factory):
+    """This pytest process's warm interpreter (tests/warm_python.py): the workers the tests start through
+    tests/cpu_worker.py and tests/gpu/dist.py are forks of it, torch, deepspeed and transformers imported already,
+    wherever the fork is the process they would have started (otherwise they start cold). Its log says which ran warm.
+    Without deepspeed, or with FORK_TESTS_COLD=1, there is none."""
+    import subprocess
+
+    import warm_python as warm
+    from cpu_worker import cpu_env
+    if importlib.util.find_spec("deepspeed") is None or os.environ.get("FORK_TESTS_COLD"):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("warm")
+    path = str(folder / "s")
+    with open(folder / "server.log", "w") as log:
+        server = subprocess.Popen([sys.executable, warm.CLIENT, "--serve", path], env=cpu_env(), stdin=subprocess.DEVNULL,
+                                  stdout=log, stderr=subprocess.STDOUT)
+    os.environ[warm.SOCKET_ENV] = path  # used once the server listens (warm.python_command)
+    try:
+        yield server
+    finally:
+        os.environ.pop(warm.SOCKET_ENV, None)
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 @pytest.fixture(scope="session")
 def repo_root():
     return REPO

@@ -14,6 +14,8 @@ import textwrap
 
 import pytest
 
+from warm_python import python_command
+
 
 def cpu_env(**extra):
     """The worker's environment; `extra` may override DS_ACCELERATOR too (a GPU test's worker takes "cuda")."""
@@ -30,7 +32,7 @@ def run_code(code, marker, timeout=300):
     output."""
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+    proc = subprocess.run([*python_command(), "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=cpu_env(), timeout=timeout)
     assert proc.returncode == 0 and marker in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout + proc.stderr
@@ -42,7 +44,7 @@ def run(script, args, prefix, cwd, timeout=600, **extra_env):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not importable")
     try:
-        proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+        proc = subprocess.run([*python_command(), script, *args], capture_output=True, text=True,
                               env=cpu_env(**extra_env), cwd=str(cwd), timeout=timeout)
     except subprocess.TimeoutExpired as e:
         printed = e.stdout.decode("utf-8", "replace") if isinstance(e.stdout, bytes) else (e.stdout or "")

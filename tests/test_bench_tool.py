@@ -9,6 +9,8 @@ import sys
 import pytest
 
 import tool_module
+from cpu_worker import cpu_env
+from warm_python import python_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "bench")
@@ -133,8 +135,8 @@ def test_causal_subjects_compile_sdpa_without_a_mask_and_the_same_logits():
     which its flash kernel does not take; a `-causal` subject gets no mask and is_causal=True, as in eager, and the
     same logits."""
     pytest.importorskip("transformers")
-    proc = subprocess.run([sys.executable, "-c", CAUSAL_PROBE, os.path.join(REPO, "tools")], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([*python_command(), "-c", CAUSAL_PROBE, os.path.join(REPO, "tools")], capture_output=True,
+                          text=True, timeout=300, env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     assert lines["after"] == "(False, True)" and lines["equal"] == "True", proc.stdout

@@ -6,6 +6,8 @@ import sys
 import textwrap
 
 import tool_module
+from cpu_worker import cpu_env
+from warm_python import python_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "bench-trainer")
@@ -32,8 +34,8 @@ def test_phase_accounting_counts_each_compile_phase_once_per_outermost_call():
         f(torch.randn(3, requires_grad=True)).backward()   # a new shape: a second compile
         print(json.dumps(phases.snapshot()))
     """)
-    out = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "tests", "gpu", "workers")],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*python_command(), "-c", code, os.path.join(REPO, "tests", "gpu", "workers")],
+                         capture_output=True, text=True, timeout=300, env=cpu_env())
     assert out.returncode == 0, out.stderr[-3000:]
     import json
     snap = json.loads(out.stdout.strip().splitlines()[-1])
@@ -60,9 +62,9 @@ def test_inductor_graphs_counts_the_graphs_lowered_since_the_last_look(tmp_path)
             counts.append(lowered.since_last())
         print(counts)
     """)
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    env = cpu_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
     for run in ("cold caches", "warm caches"):
-        out = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "tests", "gpu", "workers")],
+        out = subprocess.run([*python_command(), "-c", code, os.path.join(REPO, "tests", "gpu", "workers")],
                              capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         assert out.stdout.strip().splitlines()[-1] == "[1, 0, 1]", run

@@ -10,13 +10,14 @@ Two processes here compile the same model through DeepCompile's backend (make_ba
 compiled extension stood in for: only its reset is called), each with another amount of memory allocated first, and
 report the ids their graphs got: equal in both, and distinct within each."""
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from cpu_worker import cpu_env
+from warm_python import python_command
 
 from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS, ONE_RANK_BACKEND, free_port
 
@@ -36,8 +37,8 @@ COMPILE = """
 def graph_ids(padding):
     code = PADDING.format(padding=padding) + ONE_RANK_BACKEND.format(port=free_port()) + COMPILE
     script = textwrap.dedent(DEFINE_OPS) + textwrap.dedent(code)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    proc = subprocess.run([*python_command(), "-c", script], capture_output=True, text=True, timeout=600,
+                          env=cpu_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     m = re.search(r"^GRAPH_IDS (\[.*\])$", proc.stdout, re.M)
     assert m, proc.stdout[-3000:]

@@ -10,13 +10,14 @@ place of the compiled extension (built on GPU hosts). Each check runs in a proce
 fixes its accelerator for the whole session."""
 
 import importlib.util
-import os
 import socket
 import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from cpu_worker import cpu_env
+from warm_python import python_command
 
 DEFINE_OPS = """
     import os, re, torch
@@ -61,8 +62,8 @@ def run(code):
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed")
     script = textwrap.dedent(DEFINE_OPS) + textwrap.dedent(code)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    proc = subprocess.run([*python_command(), "-c", script], capture_output=True, text=True, timeout=600,
+                          env=cpu_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -23,6 +23,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+try:
+    # The suite's warm interpreter where the suite started one (tests/warm_python.py), else this interpreter.
+    from warm_python import python_command
+except ImportError:  # imported from elsewhere (tools/zero-diff, a GPU host's tests/gpu alone)
+
+    def python_command():
+        return [sys.executable]
+
+
 RESULT_DIR_ENV = "DIST_RESULT_DIR"
 STACKS_CHARS = 8000  # of each rank's stack dump shown in a failure message
 
@@ -179,9 +188,9 @@ class DistJob:
         if self.nprocs == 1:
             # One rank needs no launcher (a second Python importing torch): the environment torchrun would give it
             # is set in start().
-            return [sys.executable, self.script, *self.args]
+            return [*python_command(), self.script, *self.args]
         return [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nprocs}",
+            *python_command(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nprocs}",
             self.script, *self.args
         ]
 
