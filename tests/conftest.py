@@ -64,8 +64,8 @@ def warm_python(tmp_path_factory):
     folder = tmp_path_factory.mktemp("warm")
     path = str(folder / "s")
     with open(folder / "server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, warm.CLIENT, "--serve", path], env=cpu_env(), stdin=subprocess.DEVNULL,
-                                  stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen([sys.executable, warm.CLIENT, "--serve", path], env=cpu_env(),
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     os.environ[warm.SOCKET_ENV] = path  # used once the server listens (warm.python_command)
     try:
         yield server

@@ -28,9 +28,9 @@ import sys
 
 SOCKET_ENV = "FORK_TESTS_WARM_PYTHON"
 CLIENT = os.path.abspath(__file__)
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.agent.server.local_elastic_agent", "torch._dynamo", "torch._inductor.compile_fx",
-           "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "transformers",
-           "transformers.modeling_utils", "transformers.trainer")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.agent.server.local_elastic_agent", "torch._dynamo",
+           "torch._inductor.compile_fx", "deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3",
+           "transformers", "transformers.modeling_utils", "transformers.trainer")
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "DS_", "CUDA", "NCCL", "OMP_", "MKL", "KMP_", "GOMP", "TRANSFORMERS", "HF_",
                   "TOKENIZERS", "PYTHON", "LD_", "TRITON", "TMP", "TEMP", "ACCELERATE", "NVIDIA", "XDG_", "HOME",
                   "LANG", "LC_")
