@@ -202,8 +202,7 @@ def serve(path):
     os.rename(path + ".tmp", path)  # the socket appears once it accepts
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
-    running = {}  # fork's pid: its client's connection
-    by_conn = {}
+    running = {}  # fork's pid: its client's connection, registered in the selector with the pid as its data
     sys.stdout.flush()
     sys.stderr.flush()
     while os.getppid() == parent:
@@ -240,7 +239,7 @@ def serve(path):
                     os.setpgid(0, 0)
                     selector.close()
                     listener.close()
-                    for other in by_conn:
+                    for other in running.values():
                         other.close()
                     conn.close()
                     for target, fd in enumerate(fds):
@@ -254,19 +253,13 @@ def serve(path):
                 print(f"warm {pid}: {command}", flush=True)
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 running[pid] = conn
-                by_conn[conn] = pid
-                selector.register(conn, selectors.EVENT_READ)
-            else:  # a client's connection readable: the client is gone
-                conn = key.fileobj
-                if conn.recv(1):
-                    continue
-                pid = by_conn.get(conn)
-                if pid in running:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                selector.unregister(conn)
+                selector.register(conn, selectors.EVENT_READ, data=pid)
+            elif not key.fileobj.recv(1):  # a client's connection at its end: the client is gone, so goes its fork
+                try:
+                    os.killpg(key.data, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                selector.unregister(key.fileobj)
         while running:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -279,14 +272,10 @@ def serve(path):
                 continue
             try:
                 conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-            except OSError:
+            except OSError:  # the client is gone
                 pass
-            if conn.fileno() >= 0 and conn in by_conn:
-                try:
-                    selector.unregister(conn)
-                except (KeyError, ValueError):
-                    pass
-            by_conn.pop(conn, None)
+            if conn in selector.get_map():
+                selector.unregister(conn)
             conn.close()
     for pid in running:
         try:
