@@ -63,19 +63,24 @@ def warm_python(tmp_path_factory):
         return
     folder = tmp_path_factory.mktemp("warm")
     path = str(folder / "s")
-    with open(folder / "server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, warm.CLIENT, "--serve", path], env=cpu_env(),
-                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    servers = []
+    for k in range(warm.RANK_SERVERS):  # server k > 0 for torchrun's ranks only (warm.server_path)
+        with open(folder / f"server{'.' + str(k) if k else ''}.log", "w") as log:
+            servers.append(subprocess.Popen([sys.executable, warm.CLIENT, "--serve", path + (f".{k}" if k else "")],
+                                            env=cpu_env(), stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=subprocess.STDOUT))
     os.environ[warm.SOCKET_ENV] = path  # used once the server listens (warm.python_command)
     try:
-        yield server
+        yield servers[0]
     finally:
         os.environ.pop(warm.SOCKET_ENV, None)
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
 @pytest.fixture(scope="session")

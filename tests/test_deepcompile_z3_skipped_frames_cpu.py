@@ -17,9 +17,10 @@ still references (autograd's saved tensors) counts until it is really freed, as 
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+
+from warm_python import torchrun_command
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers", "dc_z3_skipped_frames_sim.py")
 VARIANTS = ("modules", "loop", "checkpoint")
@@ -39,7 +40,7 @@ def _run(variant, tmp_path):
     ]
     if kept:
         env["PYTHONPATH"] = os.pathsep.join(kept)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER]
+    cmd = [*torchrun_command("--standalone", "--nproc_per_node=2"), WORKER]
     proc = subprocess.Popen(cmd + ["--variant", variant],
                             env=env,
                             cwd=str(tmp_path),

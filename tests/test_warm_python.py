@@ -29,10 +29,11 @@ def server_log(warm_python, tmp_path_factory):
         pytest.skip("no warm server in this run (FORK_TESTS_COLD, or deepspeed not installed)")
     path = os.environ[warm.SOCKET_ENV]
     deadline = time.monotonic() + 180
-    while not os.path.exists(path):
-        assert warm_python.poll() is None, "the warm server exited"
-        assert time.monotonic() < deadline, "the warm server did not listen within 180 s"
-        time.sleep(0.2)
+    for k in range(warm.RANK_SERVERS):
+        while not os.path.exists(path + (f".{k}" if k else "")):
+            assert warm_python.poll() is None, "the warm server exited"
+            assert time.monotonic() < deadline, f"warm server {k} did not listen within 180 s"
+            time.sleep(0.2)
     return os.path.join(os.path.dirname(path), "server.log")
 
 
@@ -79,3 +80,37 @@ def test_a_killed_client_takes_its_fork_with_it(server_log, tmp_path):
             return
         time.sleep(0.2)
     pytest.fail(f"the fork {fork} outlived its client")
+
+
+RANK = """
+import os, random, sys
+print("rank", os.environ["RANK"], "hash", hash("warm ranks"), "random", random.random(), flush=True)
+sys.exit(int(os.environ["RANK"]) * int(sys.argv[1]))
+"""
+
+
+def test_torchrun_ranks_are_forks_of_different_servers_and_their_ends_reach_torchrun(server_log, tmp_path):
+    """Two cold ranks hash strings differently and draw different random numbers, and so does a rank of the next job:
+    so do warm ones. A rank's exit status is what torchrun sees of it."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+
+    def torchrun(code):
+        return subprocess.run([*warm.torchrun_command("--standalone", "--nproc_per_node=2"), str(script), str(code)],
+                              capture_output=True, text=True, cwd=tmp_path, env=cpu_env(), timeout=180)
+
+    ran = torchrun(0)
+    assert ran.returncode == 0, ran
+    printed = dict(line.split(" ", 2)[1:] for line in ran.stdout.splitlines() if line.startswith("rank "))
+    assert sorted(printed) == ["0", "1"], ran.stdout
+    if not os.environ.get("PYTHONHASHSEED"):  # set, it makes every cold interpreter hash alike too
+        assert printed["0"].split()[1] != printed["1"].split()[1], f"the ranks hash alike: {printed}"
+    assert printed["0"].split()[3] != printed["1"].split()[3], f"the ranks draw the same numbers: {printed}"
+    for k in range(warm.RANK_SERVERS):
+        log = server_log.replace("server.log", f"server.{k}.log" if k else "server.log")
+        assert any(line.startswith("warm") for line in logged(log, str(script))), f"no rank ran warm on server {k}"
+
+    failed = torchrun(7)  # rank 1 exits with 7
+    assert failed.returncode != 0 and re.search(r"exitcode\s*:\s*7", failed.stderr + failed.stdout), failed
+    again = dict(line.split(" ", 2)[1:] for line in failed.stdout.splitlines() if line.startswith("rank "))
+    assert again["0"].split()[3] != printed["0"].split()[3], "two forks of one server drew the same numbers"

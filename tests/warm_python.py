@@ -1,13 +1,15 @@
 """A warm Python for the suite's worker processes: torch, deepspeed and transformers imported once, each worker a fork.
 
 Most of the suite's processes are workers that import torch, deepspeed and often transformers before doing a few
-seconds of work: on a 2-core host the imports alone take about 7 s of CPU a process. tests/conftest.py starts one
-server per pytest process (`python tests/warm_python.py --serve SOCKET`, DeepSpeed's CPU accelerator), which imports
-them and waits. A worker is then started as `python tests/warm_python.py ARGS...` in place of `python ARGS...`
-(tests/cpu_worker.py, tests/gpu/dist.py: `python_command()`): this client hands the server its arguments, environment,
-working directory and standard streams; the server forks, and the fork runs the script, `-c` code or `-m` module as
-the interpreter would have, as `__main__`, then exits with its status, which the client exits with. Signals the client
-gets go to the fork; a client killed (a test's timeout) takes the fork and its processes with it.
+seconds of work: on a 2-core host the imports alone take about 7 s of CPU a process. tests/conftest.py starts servers
+per pytest process (`python tests/warm_python.py --serve SOCKET`, DeepSpeed's CPU accelerator), which import them
+and wait. A worker is then started as `python tests/warm_python.py ARGS...` in place of `python ARGS...`
+(tests/cpu_worker.py, tests/gpu/dist.py: `python_command()`; torchrun's ranks: `torchrun_command()`): this client
+hands a server its arguments, environment, working directory and standard streams; the server forks, and the fork
+runs the script, `-c` code or `-m` module as the interpreter would have, as `__main__`, then exits with its status,
+which the client exits with. Signals the client gets go to the fork; a client killed (a test's timeout) takes the fork
+and its processes with it. The ranks of one torchrun job are forks of different servers (RANK_SERVERS), so they
+hash strings differently, as cold ranks do; each fork's random numbers are its own, as a cold process's are.
 
 The fork is the process the command would have started only where nothing it inherits could differ, so anything else
 runs cold (the client execs the interpreter itself, the command unchanged):
@@ -34,8 +36,12 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.agent.server
 READ_AT_IMPORT = ("TORCH", "PYTORCH", "DS_", "CUDA", "NCCL", "OMP_", "MKL", "KMP_", "GOMP", "TRANSFORMERS", "HF_",
                   "TOKENIZERS", "PYTHON", "LD_", "TRITON", "TMP", "TEMP", "ACCELERATE", "NVIDIA", "XDG_", "HOME",
                   "LANG", "LC_")
+# Names, or prefixes: TORCHELASTIC_ are torchrun's settings for its ranks, which no module reads when imported.
 READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
-                  "PYTHONUNBUFFERED", "TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                  "PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_")
+# Servers a pytest process keeps: torchrun's ranks alternate between them by local rank, so that two ranks of a job
+# hash strings differently, as two cold interpreters do. Server k > 0 listens at the socket's path + ".k".
+RANK_SERVERS = 2
 
 
 def python_command():
@@ -45,6 +51,24 @@ def python_command():
     if path and os.path.exists(path) and not os.environ.get("FORK_TESTS_COLD"):  # it appears once the server listens
         return [sys.executable, CLIENT]
     return [sys.executable]
+
+
+def torchrun_command(*launcher_args):
+    """The start of a torchrun command (then: the script and its arguments) with torchrun's options: where this
+    process has a server, torchrun is a fork of it and starts each rank as the warm client (--no-python, the
+    interpreter's -u as torchrun gives it), so the ranks are forks too."""
+    start = python_command()
+    command = [*start, "-m", "torch.distributed.run", *launcher_args]
+    if len(start) == 1:
+        return command
+    return [*command, "--no-python", sys.executable, CLIENT, "-u"]
+
+
+def server_path(env):
+    """The socket of the server a client with environment `env` asks: a rank's by its local rank (RANK_SERVERS)."""
+    local_rank = env.get("LOCAL_RANK", "0")
+    k = int(local_rank) % RANK_SERVERS if local_rank.isdigit() else 0
+    return env[SOCKET_ENV] + (f".{k}" if k else "")
 
 
 def parse(argv):
@@ -75,7 +99,7 @@ def differs_at_import(env, server_env, set_by_imports):
         return name not in set_by_imports or env.get(name, set_by_imports[name]) != set_by_imports[name]
 
     return sorted(n for n in set(env) | set(server_env)
-                  if n.startswith(READ_AT_IMPORT) and n not in READ_WHEN_USED and differs(n))
+                  if n.startswith(READ_AT_IMPORT) and not n.startswith(READ_WHEN_USED) and differs(n))
 
 
 # The client.
@@ -95,7 +119,7 @@ def client(argv):
     cold = [sys.executable, *argv]
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(os.environ[SOCKET_ENV])
+        conn.connect(server_path(os.environ))
         payload = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
         socket.send_fds(conn, [struct.pack("!I", len(payload))], [0, 1, 2])
         conn.sendall(payload)
@@ -141,7 +165,9 @@ def _run(request, set_by_imports, how, target, args, unbuffered):
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if "numpy" in sys.modules:  # numpy's global generator, seeded when imported: each process its own, as cold
+    # numpy's global generator, seeded from the OS when imported: each process its own, as cold (random's reseeds
+    # itself in a fork).
+    if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if unbuffered or request["env"].get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(line_buffering=True, write_through=True)

@@ -25,11 +25,14 @@ from typing import Dict, List, Optional, Sequence
 
 try:
     # The suite's warm interpreter where the suite started one (tests/warm_python.py), else this interpreter.
-    from warm_python import python_command
+    from warm_python import python_command, torchrun_command
 except ImportError:  # imported from elsewhere (tools/zero-diff, a GPU host's tests/gpu alone)
 
     def python_command():
         return [sys.executable]
+
+    def torchrun_command(*launcher_args):
+        return [sys.executable, "-m", "torch.distributed.run", *launcher_args]
 
 
 RESULT_DIR_ENV = "DIST_RESULT_DIR"
@@ -189,10 +192,7 @@ class DistJob:
             # One rank needs no launcher (a second Python importing torch): the environment torchrun would give it
             # is set in start().
             return [*python_command(), self.script, *self.args]
-        return [
-            *python_command(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.nprocs}",
-            self.script, *self.args
-        ]
+        return [*torchrun_command("--standalone", f"--nproc_per_node={self.nprocs}"), self.script, *self.args]
 
     def start(self) -> "DistJob":
         self._tmp = tempfile.TemporaryDirectory(prefix="dist_job_")
