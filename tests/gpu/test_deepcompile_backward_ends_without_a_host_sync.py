@@ -4,12 +4,13 @@ deepcompile-backward-ends-without-a-host-sync), and the step after it must read 
 0.19.8 waits on the host for the reduction stream at the end of every compiled graph's backward, and fork.50 again
 when the engine released the reduce buckets; fork.50's DeepCompile ZeRO-1/2 also copied to the device and read back,
 at every boundary backward, which parameters had got an eager gradient. The device ran dry there, and the optimizer
-step's host work ran while it was idle. The zoo's Llama (fp32, two micro-batches a step, gradient clipping) trains ten steps at each ZeRO
-stage, eagerly and under DeepCompile, one process each, side by side on one GPU (workers/dc_backward_host_syncs.py);
-the last three steps' backwards run under torch's CUDA sync debug mode. Under DeepCompile they must make no host sync,
-and every loss and every step's global gradient norm must be eager ZeRO's of the same stage: a step that read its
-gradients before their reductions had written them would differ. (At several ranks, DeepCompile ZeRO-1/2 still reads
-back once a boundary backward which parameters any rank got an eager gradient for.)
+step's host work ran while it was idle. The zoo's Llama (fp32, two micro-batches a step, gradient clipping) trains
+ten steps at each ZeRO stage, eagerly and under DeepCompile, one process each, side by side on one GPU
+(workers/dc_backward_host_syncs.py); the last three steps' backwards run under torch's CUDA sync debug mode. Under
+DeepCompile they must make no host sync, and every loss and every step's global gradient norm must be eager ZeRO's of
+the same stage: a step that read its gradients before their reductions had written them would differ. (At several
+ranks, DeepCompile ZeRO-1/2 still reads back once a boundary backward which parameters any rank got an eager
+gradient for.)
 """
 
 import os

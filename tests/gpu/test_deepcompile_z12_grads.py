@@ -5,8 +5,8 @@ only one graph's share of the latter.
 
 Runs workers/dc_z12_grads.py on 2 GPUs and on one, stages 1 and 2, gradient accumulation 2, all jobs
 side by side, and compares each DeepCompile run with eager ZeRO of the same stage on the same data.
-(At one rank no rank has to agree with another on which parameters got an eager gradient: that
-code runs only at one rank.)
+(At one rank DeepCompile skips the ranks' agreement on which parameters got an eager gradient: a
+path of its own.)
 Set GPU_TEST_REPORT_DIR to keep each job's per-rank JSON report there.
 """
 
