@@ -17,10 +17,9 @@ import os
 
 import pytest
 
-from dist import DistJob, skip_reason
+from against_eager import assert_as_eager, run_stages, runs
 
 STAGES = (1, 2, 3)
-MODES = ("eager", "deepcompile")
 DEADLINE_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "400"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_backward_host_syncs.py")
 # fp32 on both sides: Inductor's fused kernels and DeepCompile's bucketed reductions round differently, nothing more
@@ -29,34 +28,15 @@ RTOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def runs():
-    reason = skip_reason(1)
-    if reason:
-        pytest.skip(reason)
-    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    started = {(s, m): DistJob(WORKER, ["--stage", str(s), "--mode", m, "--deadline", str(DEADLINE_S)], nprocs=1,
-                               timeout=DEADLINE_S + 60, env=env).start()
-               for s in STAGES for m in MODES}
-    done = {}
-    for (stage, mode), job in started.items():
-        done[stage, mode] = job.wait()
-        done[stage, mode].save(f"dc_backward_host_syncs_z{stage}_{mode}")
-    return done
+def done():
+    return run_stages(WORKER, STAGES, DEADLINE_S, "dc_backward_host_syncs")
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_deepcompile_backward_makes_no_host_sync_and_steps_as_eager_zero(runs, stage):
-    got = {}
-    for mode in MODES:
-        res = runs[stage, mode]
-        assert res.ok, res.failure_message()
-        got[mode] = res.results[0]["run"]
-    dc, eager = got["deepcompile"], got["eager"]
+def test_deepcompile_backward_makes_no_host_sync_and_steps_as_eager_zero(done, stage):
+    dc, eager = runs(done, stage)
     assert dc["reached"] == "done" and len(dc["syncs"]) == 6, dc
     print(f"\nZeRO-{stage}: host syncs in each watched backward: DeepCompile {dc['syncs']}, eager {eager['syncs']}")
     stacks = "\n".join(dc["sync_stacks"][:3])
     assert dc["syncs"] == [0] * 6, f"host syncs in DeepCompile's backward {dc['syncs']}, from:\n{stacks}"
-    for key in ("losses", "grad_norms"):
-        assert len(dc[key]) == len(eager[key]), (key, dc[key], eager[key])
-        for a, b in zip(dc[key], eager[key]):
-            assert abs(a - b) <= RTOL * abs(b), (key, dc[key], eager[key])
+    assert_as_eager(dc, eager, ("losses", "grad_norms"), RTOL)

@@ -12,10 +12,9 @@ import os
 
 import pytest
 
-from dist import DistJob, skip_reason
+from against_eager import assert_as_eager, run_stages, runs
 
 STAGES = (1, 2, 3)
-MODES = ("eager", "deepcompile")
 DEADLINE_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "400"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_evaluation_first.py")
 # fp32 on both sides: Inductor's fused kernels and DeepCompile's bucketed reductions round differently, nothing more
@@ -24,30 +23,12 @@ RTOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def runs():
-    reason = skip_reason(1)
-    if reason:
-        pytest.skip(reason)
-    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    started = {(s, m): DistJob(WORKER, ["--stage", str(s), "--mode", m, "--deadline", str(DEADLINE_S)], nprocs=1,
-                               timeout=DEADLINE_S + 60, env=env).start()
-               for s in STAGES for m in MODES}
-    done = {}
-    for (stage, mode), job in started.items():
-        done[stage, mode] = job.wait()
-        done[stage, mode].save(f"dc_evaluation_first_z{stage}_{mode}")
-    return done
+def done():
+    return run_stages(WORKER, STAGES, DEADLINE_S, "dc_evaluation_first")
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_evaluating_before_the_first_step_gives_eager_zeros_losses(runs, stage):
-    got = {}
-    for mode in MODES:
-        res = runs[stage, mode]
-        assert res.ok, res.failure_message()
-        got[mode] = res.results[0]["run"]
-    dc, eager = got["deepcompile"], got["eager"]
+def test_evaluating_before_the_first_step_gives_eager_zeros_losses(done, stage):
+    dc, eager = runs(done, stage)
     assert dc["reached"] == "done" and len(dc["eval_losses"]) == 2 and len(dc["losses"]) == 3, dc
-    for key in ("eval_losses", "losses", "grad_norms"):
-        for a, b in zip(dc[key], eager[key]):
-            assert abs(a - b) <= RTOL * abs(b), (key, dc[key], eager[key])
+    assert_as_eager(dc, eager, ("eval_losses", "losses", "grad_norms"), RTOL)
