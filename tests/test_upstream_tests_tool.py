@@ -673,9 +673,11 @@ def test_master_port_ranges_of_workers_are_disjoint(monkeypatch):
         port = busy.getsockname()[1]
         monkeypatch.setenv("DS_UT_PORT_BASE", str(port))
         monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-        assert int(plugin.master_port()) == port + 1  # the bound port is skipped
+        # The bound port is skipped for a later one of the range (the next, unless another process of the suite
+        # holds that one: the port was the system's pick, among those it hands out to every connection).
+        assert port < int(plugin.master_port()) < port + plugin.PORT_SPAN
         monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
-        assert int(plugin.master_port()) == port + 2 * plugin.PORT_SPAN
+        assert port + 2 * plugin.PORT_SPAN <= int(plugin.master_port()) < port + 3 * plugin.PORT_SPAN
 
 
 COMMON = """\
