@@ -50,10 +50,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_python(tmp_path_factory):
-    """This pytest process's warm interpreter (tests/warm_python.py): the workers the tests start through
-    tests/cpu_worker.py and tests/gpu/dist.py are forks of it, torch, deepspeed and transformers imported already,
-    wherever the fork is the process they would have started (otherwise they start cold). Its log says which ran warm.
-    Without deepspeed, or with FORK_TESTS_COLD=1, there is none."""
+    """This pytest process's warm interpreters (tests/warm_python.py): the workers the tests start through
+    tests/cpu_worker.py and tests/gpu/dist.py are forks of them, torch, deepspeed and transformers imported already,
+    wherever the fork is the process they would have started (otherwise they start cold). Each server's log (its
+    socket's path + ".log") says which ran warm. Without deepspeed, or with FORK_TESTS_COLD=1, there is none; the
+    first server is yielded."""
     import subprocess
 
     import warm_python as warm
@@ -65,10 +66,10 @@ def warm_python(tmp_path_factory):
     path = str(folder / "s")
     servers = []
     for k in range(warm.RANK_SERVERS):  # server k > 0 for torchrun's ranks only (warm.server_path)
-        with open(folder / f"server{'.' + str(k) if k else ''}.log", "w") as log:
-            servers.append(subprocess.Popen([sys.executable, warm.CLIENT, "--serve", path + (f".{k}" if k else "")],
-                                            env=cpu_env(), stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT))
+        socket_path = warm.server_socket(path, k)
+        with open(socket_path + ".log", "w") as log:
+            servers.append(subprocess.Popen([sys.executable, warm.CLIENT, "--serve", socket_path], env=cpu_env(),
+                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
     os.environ[warm.SOCKET_ENV] = path  # used once the server listens (warm.python_command)
     try:
         yield servers[0]

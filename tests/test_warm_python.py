@@ -24,17 +24,17 @@ sys.exit(3)
 
 @pytest.fixture(scope="module")
 def server_log(warm_python, tmp_path_factory):
-    """The session's server log, once the server listens."""
+    """The session's first server's log, once every server listens."""
     if warm_python is None:
         pytest.skip("no warm server in this run (FORK_TESTS_COLD, or deepspeed not installed)")
     path = os.environ[warm.SOCKET_ENV]
     deadline = time.monotonic() + 180
     for k in range(warm.RANK_SERVERS):
-        while not os.path.exists(path + (f".{k}" if k else "")):
+        while not os.path.exists(warm.server_socket(path, k)):
             assert warm_python.poll() is None, "the warm server exited"
             assert time.monotonic() < deadline, f"warm server {k} did not listen within 180 s"
             time.sleep(0.2)
-    return os.path.join(os.path.dirname(path), "server.log")
+    return path + ".log"
 
 
 def run(command, tmp_path, **env):
@@ -107,7 +107,7 @@ def test_torchrun_ranks_are_forks_of_different_servers_and_their_ends_reach_torc
         assert printed["0"].split()[1] != printed["1"].split()[1], f"the ranks hash alike: {printed}"
     assert printed["0"].split()[3] != printed["1"].split()[3], f"the ranks draw the same numbers: {printed}"
     for k in range(warm.RANK_SERVERS):
-        log = server_log.replace("server.log", f"server.{k}.log" if k else "server.log")
+        log = warm.server_socket(os.environ[warm.SOCKET_ENV], k) + ".log"
         assert any(line.startswith("warm") for line in logged(log, str(script))), f"no rank ran warm on server {k}"
 
     failed = torchrun(7)  # rank 1 exits with 7

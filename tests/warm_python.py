@@ -40,7 +40,7 @@ READ_AT_IMPORT = ("TORCH", "PYTORCH", "DS_", "CUDA", "NCCL", "OMP_", "MKL", "KMP
 READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE",
                   "PYTHONUNBUFFERED", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_")
 # Servers a pytest process keeps: torchrun's ranks alternate between them by local rank, so that two ranks of a job
-# hash strings differently, as two cold interpreters do. Server k > 0 listens at the socket's path + ".k".
+# hash strings differently, as two cold interpreters do.
 RANK_SERVERS = 2
 
 
@@ -64,11 +64,16 @@ def torchrun_command(*launcher_args):
     return [*command, "--no-python", sys.executable, CLIENT, "-u"]
 
 
+def server_socket(path, k):
+    """Where server k of those whose first listens at `path` listens."""
+    return path + (f".{k}" if k else "")
+
+
 def server_path(env):
     """The socket of the server a client with environment `env` asks: a rank's by its local rank (RANK_SERVERS)."""
     local_rank = env.get("LOCAL_RANK", "0")
     k = int(local_rank) % RANK_SERVERS if local_rank.isdigit() else 0
-    return env[SOCKET_ENV] + (f".{k}" if k else "")
+    return server_socket(env[SOCKET_ENV], k)
 
 
 def parse(argv):
