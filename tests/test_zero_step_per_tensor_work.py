@@ -118,7 +118,7 @@ def test_zero0_unscales_and_copies_back_in_multi_tensor_ops(small, large):
 def test_zero3_step_walks_the_modules_parameters_once(small, large):
     """Patch zero3-step-walks-the-parameters-once: every ZeRO-3 step ends by releasing all parameters, which walked
     the module's parameters three times (release, check, and the same check again); with nothing gathered, as after
-    every DeepCompile ZeRO-3 backward, the walks were the work, host time the device waited out. Now one walk, and the
+    every DeepCompile ZeRO-3 backward, the walks were the work, host time at every step. Now one walk, and the
     step's result is unchanged (the norm test above, the differential suite)."""
     walks = [rec["z3_clip"]["zero3_step_host_work"]["walks"] for rec in (small, large)]
     assert walks == [1, 1], walks
