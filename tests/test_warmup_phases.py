@@ -56,6 +56,36 @@ def test_a_phase_called_inside_another_counts_for_itself_alone(clock):
     assert step["wall_s"] == sum(step["phases"].values()) == 16.5
 
 
+def test_garbage_collections_are_counted_per_generation_within_the_phases(clock):
+    clock, t = clock
+    clock.begin(0)
+    for generation, seconds in ((0, 0.25), (2, 1.5), (2, 0.5)):
+        clock.gc_callback("start", {"generation": generation})
+        t.now += seconds
+        clock.gc_callback("stop", {"generation": generation, "collected": 0, "uncollectable": 0})
+    t.now += 1.0
+    clock.end()
+    (step, ) = clock.steps
+    assert step["gc"] == {"0": [1, 0.25], "2": [2, 2.0]}
+    assert step["phases"] == {"other": 3.25}, "a collection is part of the phase it ran in, not a phase of its own"
+    assert warmup_phases.totals(clock.steps)["gc"] == {"0": [1, 0.25], "2": [2, 2.0]}
+    assert warmup_phases.totals([{"step": 0, "wall_s": 1.0, "phases": {"other": 1.0}}])["gc"] is None
+
+
+def test_install_counts_a_real_full_collection():
+    import gc
+    clock = warmup_phases.PhaseClock()
+    warmup_phases.install(clock, targets=())
+    try:
+        clock.begin(0)
+        gc.collect()
+        clock.end()
+    finally:
+        gc.callbacks.remove(clock.gc_callback)
+    (step, ) = clock.steps
+    assert step["gc"]["2"][0] == 1 and step["gc"]["2"][1] > 0, step
+
+
 def test_compile_after_the_first_step_is_the_recompile(clock):
     clock, t = clock
     compile_ = clock.timed("inductor", lambda s: setattr(t, "now", t.now + s))
@@ -144,6 +174,6 @@ def test_the_table_splits_each_warm_up_and_marks_one_cut_short(tmp_path):
     cli.render(str(tmp_path))
     table = (tmp_path / "bench.md").read_text()
     assert ("| warmup-8b | dc-z3 | x | 32 | 150.0 (cut short) | 100.0 | 20.0 | 30.0 | 40.0 | 40.0 | 5.0 | 0.0 | 0.0 | "
-            "15.0 | 45.0 | - |") in table
+            "15.0 | 45.0 | - | - |") in table
     assert ("| warmup-8b | fsdp2 | - | 32 | 100.0 | 100.0 | 20.0 | 30.0 | 40.0 | 0.0 | 0.0 | 0.0 | 0.0 | 10.0 | 0.0 | "
-            "FX 16 miss, AOT 8 bypass |") in table
+            "FX 16 miss, AOT 8 bypass | - |") in table

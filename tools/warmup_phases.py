@@ -6,9 +6,12 @@ of the phases called inside it: a Dynamo compile's backend call counts for AOTAu
 pass's profiling run for profiling. `other` is the rest of a step's wall time. A target this torch or deepspeed lacks
 is named in `missing` rather than failing the run. One clock per process; the phases of a backward compiled lazily on
 autograd's device thread count too (the thread that started backward() is waiting then).
+Python's garbage collections are counted apart, per generation with their seconds (gc.callbacks): a collection runs
+inside whichever phase allocated, so its time is a part of that phase's, not a phase of its own.
 """
 
 import functools
+import gc
 import importlib
 import threading
 import time
@@ -41,10 +44,24 @@ class PhaseClock:
         self._stack = []
         self._slice_start = None
         self._step = None
+        self._gc_start = None
         self._on_update, self._every, self._last_update = on_update, update_every_s, time.monotonic()
 
+    def gc_callback(self, event, info):
+        """A gc.callbacks hook: each step's collections per generation, [count, seconds] (a collection holds the
+        interpreter, so no other thread runs between its start and its stop)."""
+        if event == "start":
+            self._gc_start = time.perf_counter()
+            return
+        start, self._gc_start = self._gc_start, None
+        step = self._step
+        if start is None or step is None:
+            return
+        count, seconds = step["gc"].get(str(info["generation"]), (0, 0.0))
+        step["gc"][str(info["generation"])] = [count + 1, seconds + time.perf_counter() - start]
+
     def begin(self, step):
-        self._step = {"step": step, "wall_s": 0.0, "phases": {}, "calls": {}, "_start": time.perf_counter()}
+        self._step = {"step": step, "wall_s": 0.0, "phases": {}, "calls": {}, "gc": {}, "_start": time.perf_counter()}
         self.steps.append(self._step)
 
     def end(self):
@@ -88,6 +105,8 @@ class PhaseClock:
         out = []
         for s in self.steps:
             s = dict(s, phases=dict(s["phases"]), calls=dict(s["calls"]))
+            if "gc" in s:
+                s["gc"] = {g: list(v) for g, v in s["gc"].items()}
             if "_start" in s:
                 s["wall_s"] = time.perf_counter() - s.pop("_start")
                 s["phases"]["other"] = max(0.0, s["wall_s"] - sum(s["phases"].values()))
@@ -132,6 +151,8 @@ def install(clock, targets=TARGETS, deepspeed=True):
             continue
         if getattr(fn, "__warmup_phase__", None) is None:
             setattr(owner, name, clock.timed(phase, fn))
+    if clock.gc_callback not in gc.callbacks:
+        gc.callbacks.append(clock.gc_callback)
     return missing
 
 
@@ -147,11 +168,16 @@ def cache_counters():
 
 
 def totals(steps):
-    """The phases' seconds over all steps, the wall time, and the compile time of the steps after the first (a
-    recompile: DeepCompile ZeRO-3 compiles every graph again at its WARMUP step)."""
-    phases = {}
+    """The phases' seconds over all steps, the wall time, the compile time of the steps after the first (a
+    recompile: DeepCompile ZeRO-3 compiles every graph again at its WARMUP step), and the garbage collections per
+    generation, [count, seconds] (None for steps recorded before collections were counted)."""
+    phases, collections = {}, ({} if any("gc" in s for s in steps) else None)
     for s in steps:
         for k, v in s["phases"].items():
             phases[k] = phases.get(k, 0.0) + v
+        for g, (n, t) in (s.get("gc") or {}).items():
+            count, seconds = collections.get(g, (0, 0.0))
+            collections[g] = [count + n, seconds + t]
     later = sum(v for s in steps[1:] for k, v in s["phases"].items() if k != "other")
-    return {"wall_s": sum(s["wall_s"] for s in steps), "phases": phases, "compile_after_first_step_s": later}
+    return {"wall_s": sum(s["wall_s"] for s in steps), "phases": phases, "compile_after_first_step_s": later,
+            "gc": collections}
