@@ -82,9 +82,11 @@ def test_a_killed_client_takes_its_fork_with_it(server_log, tmp_path):
     pytest.fail(f"the fork {fork} outlived its client")
 
 
+# One write a line: both ranks share torchrun's unbuffered stdout, where print() writes each of its arguments apart and
+# the other rank's line could land between them.
 RANK = """
 import os, random, sys
-print("rank", os.environ["RANK"], "hash", hash("warm ranks"), "random", random.random(), flush=True)
+sys.stdout.write(f"rank {os.environ['RANK']} hash {hash('warm ranks')} random {random.random()}\\n")
 sys.exit(int(os.environ["RANK"]) * int(sys.argv[1]))
 """
 
