@@ -8,7 +8,6 @@ Plan (PLAN): evaluate, train, train at another length, evaluate, train. The repo
 losses and each step's global gradient norm, and how far the plan got.
 """
 
-import argparse
 import os
 import sys
 
@@ -16,8 +15,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
-import ds_configs  # noqa: E402
+from against_eager_worker import engine_for_stage_and_mode, finish  # noqa: E402
+from founding_common import run_worker  # noqa: E402
 import zoo_models  # noqa: E402
 
 MICRO_BATCH = 2
@@ -29,23 +28,7 @@ def make_batch(index, length):
 
 
 def main(report):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
-    ap.add_argument("--mode", required=True, choices=["eager", "deepcompile"])
-    ap.add_argument("--deadline", type=float, default=400)
-    args = ap.parse_args()
-    stacks_at_deadline(args.deadline)
-    device = setup_device()
-    describe(report)
-    import deepspeed
-
-    torch.manual_seed(0)
-    model = zoo_models.build("llama")
-    config = ds_configs.zero(args.stage, MICRO_BATCH, 1, 1e-3, optimizer="AdamW", bf16=False,
-                             deepcompile=args.mode == "deepcompile")
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if args.mode == "deepcompile":
-        engine.compile()
+    args, device, engine = engine_for_stage_and_mode(report, MICRO_BATCH, 1)
     rec = report["run"] = dict(stage=args.stage, mode=args.mode, eval_losses=[], losses=[], grad_norms=[])
     for index, (op, length) in enumerate(PLAN):
         rec["reached"] = f"{op} {index}"
@@ -62,10 +45,7 @@ def main(report):
             engine.step()
             rec["losses"].append(loss.item())
             rec["grad_norms"].append(float(engine.get_global_grad_norm()))
-    rec["reached"] = "done"
-    report.write()
-    cancel_deadline()
-    engine.destroy()
+    finish(report, rec, engine)
 
 
 if __name__ == "__main__":
