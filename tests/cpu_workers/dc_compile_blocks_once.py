@@ -1,0 +1,109 @@
+"""Worker for tests/test_deepcompile_compile_blocks_once.py: transformers' Llama (3 decoder layers) under a DeepCompile
+engine, compiled with and without `"compile_blocks_once": true`. One process on CPU (gloo, DS_ACCELERATOR=cpu).
+
+  python tests/cpu_workers/dc_compile_blocks_once.py --stage 3 [--blocks] [--freeze]
+
+As in dc_passes_on_calls_of_the_module.py, DeepCompile's native op is replaced by a no-op and its backend by a
+stand-in that keeps each graph Dynamo hands it and runs it as traced; deepspeed.initialize and engine.compile() are
+real. Under ZeRO-3 the stand-in gathers nothing, so the calls run inside GatheredParameters. Reports (one line,
+BLOCKS_REPORT): for a call with labels and for greedy generation with the KV cache, the nested compile regions the
+graphs call and how many graphs they have, the loss or tokens against the model run eagerly; or the error
+engine.compile() raised, and whether the layers' forward was left as it was.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
+from founding_common import ensure_dist_env, init_distributed  # noqa: E402
+
+PREFIX = "BLOCKS_REPORT "
+
+
+class _NoOp:
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def regions(gm):
+    """(calls of nested compile regions, distinct region graphs) in a Dynamo graph module."""
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+    return len(calls), len({n.args[0].target for n in calls})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
+    ap.add_argument("--blocks", action="store_true", help='"compile_blocks_once": true')
+    ap.add_argument("--freeze", action="store_true", help="the layers' q_proj weights frozen (as under LoRA)")
+    args = ap.parse_args()
+    ensure_dist_env()  # one process: rank 0 of 1
+    import deepspeed
+    import transformers
+    import deepspeed.compile.init_z1_and_2 as init_z12
+    import deepspeed.compile.init_z3 as init_z3
+
+    init_distributed("gloo")
+    for name, module in list(sys.modules.items()):
+        if name.startswith("deepspeed") and hasattr(module, "get_deepcompile_handle"):
+            module.get_deepcompile_handle = _NoOp
+    graphs = []
+
+    def stand_in_backend(*a, **k):
+
+        def compile_graph(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        return compile_graph
+
+    init_z12.make_backend = init_z3.make_backend = stand_in_backend
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    reference.load_state_dict(model.state_dict())
+    if args.freeze:
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.requires_grad_(False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": args.stage},
+        "compile": {"deepcompile": True, "compile_blocks_once": args.blocks},
+    }
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trained, config=ds_config)
+    report = {"stage": args.stage, "blocks": args.blocks, "error": None}
+    try:
+        engine.compile()
+    except Exception as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+        report["layers_forward_kept"] = all("forward" not in vars(layer) for layer in model.model.layers)
+        print(PREFIX + json.dumps(report), flush=True)
+        return
+
+    ids = torch.randint(0, 256, (2, 12))
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=args.stage == 3):
+        loss = engine.module(input_ids=ids, labels=ids).loss
+        report["train"] = dict(zip(("region_calls", "region_graphs"), regions(graphs[-1])),
+                               loss=float(loss), eager_loss=float(reference(input_ids=ids, labels=ids).loss))
+        seen = len(graphs)
+        tokens = engine.module.generate(ids[:1], max_new_tokens=6, do_sample=False, use_cache=True)
+        report["generate"] = dict(graphs=len(graphs) - seen, region_calls=sum(regions(g)[0] for g in graphs[seen:]),
+                                  tokens=tokens.tolist(),
+                                  eager_tokens=reference.generate(ids[:1], max_new_tokens=6, do_sample=False,
+                                                                  use_cache=True).tolist())
+    print(PREFIX + json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
