@@ -5,7 +5,8 @@ with fp32 weights and optimizer states and bf16 autocast, the precision of DeepS
 DeepSpeed ZeRO-N (`ds-zN`; `ds-z2-oc` with overlap_comm), DeepCompile ZeRO-N (`dc-zN`; `dc-zN-bf16` without fp32
 master weights; `dc-z3-pad` with Inductor's `force_shape_pad`, padding every matmul of odd size without a benchmark;
 `dc-z3-rbauto` and `dc-z3-rb1e8` with a reduce bucket of what the Hugging Face Trainer fills in for "auto", hidden
-size squared, or of 10**8 elements, where DeepSpeed's default is 5e8; `-causal` with transformers passing SDPA no
+size squared, or of 10**8 elements, where DeepSpeed's default is 5e8; `dc-z3-blocks` with `compile_blocks_once`, each
+decoder layer one nested compile region; `-causal` with transformers passing SDPA no
 causal mask under torch.compile, as newer transformers and torch do: bench_step.skip_causal_mask_under_compile),
 or FSDP2 with a `torch.compile` per block (`fsdp2`). Every subject trains the same model from the same
 seed with AdamW (torch's fused implementation: the optimizer a PyTorch user would pick; DeepSpeed gets it as the client
@@ -59,8 +60,8 @@ MODELS = {
 }
 
 SUBJECTS = ("torch", "compile", "compile-amp", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2",
-            "dc-z3", "dc-z1-bf16", "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "fsdp2", "compile-causal",
-            "dc-z1-causal", "dc-z3-causal")
+            "dc-z3", "dc-z1-bf16", "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "dc-z3-blocks", "fsdp2",
+            "compile-causal", "dc-z1-causal", "dc-z3-causal")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 
@@ -106,6 +107,10 @@ SETS = {
     # warm-up; at 16 layers the parameters exceed what DeepCompile's prefetch pass keeps in flight (4 GB).
     **{f"step-8b-{n}l": (f"llama-8b-{n}l", 4096, 1, [["dc-z3"], ["dc-z3-causal"], ["fsdp2"], ["dc-z1-causal"]])
        for n in (8, 16)},
+    # Each decoder layer compiled once (compile_blocks_once) beside the whole model; FSDP2 + per-block compile after.
+    "blocks-1.5b": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-blocks"], ["fsdp2"]]),
+    "blocks-1.5b-32l": ("llama-1.5b-32l", 4096, 1, [["dc-z3-blocks"], ["fsdp2"]]),
+    "blocks-8b": ("llama-8b", 4096, 1, [["dc-z3", "dc-z3-blocks"], ["fsdp2"]]),
     "size-1.5b-causal": ("llama-1.5b", 4096, 1, [["dc-z3-causal", "dc-z3"], ["fsdp2"]]),
     # https://github.com/deepspeedai/DeepSpeed/pull/8036's setting, with --gpus 8 and a --site for each version:
     # DeepCompile ZeRO-1's step and peak memory, the fork against 0.19.8.

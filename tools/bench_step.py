@@ -369,7 +369,8 @@ def reduce_bucket_size(subject, hidden_size):
     return hidden_size * hidden_size if tail == "rbauto" else int(float(tail[2:]))
 
 
-def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False, reduce_bucket=None):
+def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False, reduce_bucket=None,
+              blocks_once=False):
     zero = {"stage": stage}
     if reduce_bucket is not None:
         zero["reduce_bucket_size"] = reduce_bucket
@@ -381,7 +382,9 @@ def ds_config(stage, deepcompile, overlap_comm, micro_batch, bf16_states=False, 
         bf16.update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1, "bf16": bf16,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-            "wall_clock_breakdown": False, **({"compile": {"deepcompile": True}} if deepcompile else {})}
+            "wall_clock_breakdown": False,
+            **({"compile": {"deepcompile": True, **({"compile_blocks_once": True} if blocks_once else {})}}
+               if deepcompile else {})}
 
 
 class SelectiveGatherLog(logging.Handler):
@@ -488,7 +491,7 @@ def make_step(subject, model, dev, batch):
     import deepspeed
     kind, stage = subject.split("-")[:2]
     cfg = ds_config(int(stage[1:]), kind == "dc", subject.endswith("-oc"), ids.shape[0], subject.endswith("-bf16"),
-                    reduce_bucket_size(subject, model.config.hidden_size))
+                    reduce_bucket_size(subject, model.config.hidden_size), subject.endswith("-blocks"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **fused)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     if subject.endswith("-pad"):

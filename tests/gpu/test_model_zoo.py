@@ -17,7 +17,8 @@ tools/zoo-table renders for docs/model-zoo.md. ZOO_REPLAY=<that summary> applies
 instead of running the cells (any host); several summaries joined by ':' are merged, a later one's cells replacing
 an earlier one's. ZOO_CELLS=<regular expression> runs only the cells whose key (kind/model/stage/mode, e.g.
 cell/llama_ckpt/3/deepcompile or cell/qwen2_moe/1,2,3/eager) it matches, with the resumes of those that qualify: a
-second run for the cells a first one could not finish, replayed together with it.
+second run for the cells a first one could not finish, replayed together with it. ZOO_COMPILE=<JSON> adds options to
+DeepCompile's `compile` section of every DeepCompile cell and Trainer run (e.g. '{"compile_blocks_once": true}').
 
 ZOO_RANKS=2 (or 4) runs every cell on that many GPUs, one process a rank (the summary is then
 zoo-<version>-ranks2.json): each rank gets micro-batches of its own lengths and padding in the same step, the checks

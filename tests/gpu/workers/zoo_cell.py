@@ -35,6 +35,7 @@ if the cell hangs.
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -84,7 +85,7 @@ def ds_config(stage, mode):
     stage, options = zero_stage(stage)
     return ds_configs.zero(stage, MICRO_BATCH, GRAD_ACC, LR, optimizer="AdamW", deepcompile=mode == "deepcompile",
                            clip=float(os.environ.get("ZOO_CLIP", "1.0")), stage3_param_persistence_threshold=0,
-                           **options)
+                           compile_options=json.loads(os.environ.get("ZOO_COMPILE", "{}")), **options)
 
 
 def make_batch(index, labels=True):
@@ -266,6 +267,8 @@ def run_cell(args, stage, device, report, counters, reasons):
     else:
         engine = new_engine(args.model, stage, args.mode, seed=0)
         rec["deepcompile_active"] = bool(getattr(engine, "is_deepcompile_active", lambda: False)())
+        # modules whose forward compile_blocks_once made a nested compile region (ZOO_COMPILE)
+        rec["region_blocks"] = sum("forward" in vars(m) for m in engine.module.modules())
         phase_done("engine")
         train_steps(engine, steps["train"], device, rec, counters, report, "train")
         phase_done("train")

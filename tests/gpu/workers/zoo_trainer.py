@@ -16,6 +16,7 @@ of the engine's forward.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -85,7 +86,7 @@ def main(report):
         "steps_per_print": 1_000_000_000,
     }
     if args.mode == "deepcompile":
-        ds["compile"] = {"deepcompile": True}
+        ds["compile"] = {"deepcompile": True, **json.loads(os.environ.get("ZOO_COMPILE", "{}"))}
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                               gradient_accumulation_steps=2, max_steps=MAX_STEPS, eval_strategy="steps",
                               eval_steps=EVAL_STEPS, eval_on_start=EVAL_ON_START, logging_steps=1, learning_rate=1e-3,
