@@ -3,13 +3,13 @@ called for every layer (patch deepcompile-compile-blocks-once; the regions' ZeRO
 deepcompile-z3-partitions-nested-compile-regions).
 
 Traced whole, a model of N layers gives AOTAutograd and Inductor N copies of one layer to work through. On one H200
-(Llama 1.5B, 16 layers, seq 4096) DeepCompile ZeRO-3 warmed up in 72.7 s with the layers as one region against 85.4 s
+(Llama 1.5B, 16 layers, seq 4096) DeepCompile ZeRO-3 warmed up in 53.2 s with the layers as one region against 67.5 s
 inlined. Checked here through a real engine.compile() (tests/cpu_workers/dc_compile_blocks_once.py, DeepCompile's
 backend stood in for): the Dynamo graph calls one region graph for the three layers and computes the eager loss;
 greedy generation with the KV cache (which each region call updates) gives the eager tokens; left out, nothing
 changes; outside ZeRO-3, and for blocks holding frozen parameters (LoRA: its first backward failed on an H200), the
-option is refused before anything is changed. On GPUs: tests/gpu/test_model_zoo.py with ZOO_COMPILE='{"compile_blocks_once":
-true}' and tools/bench's dc-z3-blocks subject.
+option is refused before anything is changed. On GPUs: tests/gpu/test_model_zoo.py with
+ZOO_COMPILE='{"compile_blocks_once": true}' and tools/bench's dc-z3-blocks subject.
 """
 
 import os

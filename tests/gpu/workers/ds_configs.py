@@ -1,8 +1,8 @@
 """DeepSpeed configs of the GPU workers: one builder instead of a dictionary per worker."""
 
 
-def zero(stage, micro_batch, grad_acc, lr, optimizer="Adam", deepcompile=False, bf16=True, clip=None, compile_options=None,
-         **zero_options):
+def zero(stage, micro_batch, grad_acc, lr, optimizer="Adam", deepcompile=False, bf16=True, clip=None,
+         compile_options=None, **zero_options):
     """ZeRO `stage` with torch's Adam (the fix workers) or AdamW without weight decay (the model zoo); `zero_options`
     go into `zero_optimization` (reduce_bucket_size=..., stage3_param_persistence_threshold=0, ...), `compile_options`
     into DeepCompile's `compile` section."""
