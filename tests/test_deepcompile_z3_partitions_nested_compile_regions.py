@@ -23,8 +23,12 @@ from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
                                 reason=f"torch {torch.__version__} has no torch.compiler.nested_compile_region")
 
-REGIONS = """
+# transformers' Llama of `layers` decoder layers (set before), each a nested compile region, and `backend`: Dynamo's
+# graphs through AOTAutograd with DeepCompile ZeRO-3's partitioner, as its Inductor backend wraps it. Each call keeps
+# its inputs and parameters (index, ds_id, shape) in `compiled`, and the partitioned graphs in compiled["fw"], ["bw"].
+NESTED_LLAMA = """
     import json
+    import operator
     import transformers
     import deepspeed.compile.util as dc_util
     from functorch.compile import make_boxed_func
@@ -34,32 +38,36 @@ REGIONS = """
     # Only the list of aliasing ops is asked of the compiled extension here, for no value of its.
     dc_util.get_deepcompile_handle = lambda: None
     from deepspeed.compile.inductor import wrap_partition_fn
-    from deepspeed.compile.util import get_no_copy_ops, is_cast_op
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     block = torch.compiler.nested_compile_region(type(model.model.layers[0]).forward)
     for layer in model.model.layers:
         layer.forward = block.__get__(layer)
-    ids = torch.randint(0, 256, (2, 24))
-
-    graphs, error = {"fw": [], "bw": []}, None
+    compiled = {"fw": [], "bw": []}
 
     def backend(gm, inputs):
         params = [(i, 100 + i, v.shape) for i, v in enumerate(inputs) if isinstance(v, torch.nn.Parameter)]
-        graphs["params"] = [i for i, _, _ in params]
+        compiled.update(inputs=inputs, params=params)
         partition = wrap_partition_fn(True, min_cut_rematerialization_partition, inputs, params, 0, set())
 
         def keeping(kind):
             def compiler(g, _):
-                graphs[kind].append(g)
+                compiled[kind].append(g)
                 return make_boxed_func(g.forward)
             return compiler
 
         return aot_module_simplified(gm, inputs, fw_compiler=keeping("fw"), bw_compiler=keeping("bw"),
                                      partition_fn=partition)
+"""
+
+REGIONS = """
+    from deepspeed.compile.util import get_no_copy_ops, is_cast_op
+
+    ids = torch.randint(0, 256, (2, 24))
+    error = None
 
     try:
         loss = torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss
@@ -77,12 +85,12 @@ REGIONS = """
         report["loss"], report["eager_loss"] = float(loss), float(eager)
         report["grad_diff"] = max(float((grads[n] - p.grad).abs().max()) for n, p in model.named_parameters())
 
-        (fw,), (bw,) = graphs["fw"], graphs["bw"]
+        (fw,), (bw,) = compiled["fw"], compiled["bw"]
         fw_inputs = fw.graph.find_nodes(op="placeholder")
-        param_inputs = {fw_inputs[i].name for i in graphs["params"]}
+        param_indices = [i for i, _, _ in compiled["params"]]
         bw_inputs = {n.name for n in bw.graph.find_nodes(op="placeholder")}
         # parameters of the layers (not the embedding, not the final norm or the head) the backward takes as such
-        layer_params = [i for i, (n, _) in zip(graphs["params"], model.named_parameters()) if ".layers." in n]
+        layer_params = [i for i, (n, _) in zip(param_indices, model.named_parameters()) if ".layers." in n]
         report["layer_params"] = len(layer_params)
         report["layer_params_in_backward"] = sum(fw_inputs[i].name in bw_inputs for i in layer_params)
 
@@ -112,7 +120,8 @@ REGIONS = """
 
 @pytest.fixture(scope="module")
 def regions():
-    out = cpu_worker.run_code(DEFINE_OPS + REGIONS, "REGIONS ", timeout=600)
+    out = cpu_worker.run_code(DEFINE_OPS + "    layers = 3\n" + NESTED_LLAMA + REGIONS, "REGIONS ",
+                              timeout=600)
     return json.loads([line for line in out.splitlines() if line.startswith("REGIONS ")][-1][len("REGIONS "):])
 
 
