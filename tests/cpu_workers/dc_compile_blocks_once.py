@@ -3,12 +3,12 @@ engine, compiled with and without `"compile_blocks_once": true`. One process on 
 
   python tests/cpu_workers/dc_compile_blocks_once.py --stage 3 [--blocks] [--freeze]
 
-As in dc_passes_on_calls_of_the_module.py, DeepCompile's native op is replaced by a no-op and its backend by a
-stand-in that keeps each graph Dynamo hands it and runs it as traced; deepspeed.initialize and engine.compile() are
-real. Under ZeRO-3 the stand-in gathers nothing, so the calls run inside GatheredParameters. Reports (one line,
-BLOCKS_REPORT): for a call with labels and for greedy generation with the KV cache, the nested compile regions the
-graphs call and how many graphs they have, the loss or tokens against the model run eagerly; or the error
-engine.compile() raised, and whether the layers' forward was left as it was.
+DeepCompile's native op is replaced by a no-op and its backend by a stand-in that keeps each graph Dynamo hands it
+and runs it as traced (dc_stand_in.py); deepspeed.initialize and engine.compile() are real. Under ZeRO-3 the
+stand-in gathers nothing, so the calls run inside GatheredParameters. Reports (one line, BLOCKS_REPORT): for a call
+with labels and for greedy generation with the KV cache, the nested compile regions the graphs call and how many
+graphs they have, the loss or tokens against the model run eagerly; or the error engine.compile() raised, and
+whether the layers' forward was left as it was.
 """
 
 import argparse
@@ -20,14 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
 from founding_common import ensure_dist_env, init_distributed  # noqa: E402
+from dc_stand_in import NoOpHandle, stand_in_deepcompile  # noqa: E402
 
 PREFIX = "BLOCKS_REPORT "
-
-
-class _NoOp:
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
 
 
 def regions(gm):
@@ -45,24 +40,15 @@ def main():
     ensure_dist_env()  # one process: rank 0 of 1
     import deepspeed
     import transformers
-    import deepspeed.compile.init_z1_and_2 as init_z12
-    import deepspeed.compile.init_z3 as init_z3
 
     init_distributed("gloo")
-    for name, module in list(sys.modules.items()):
-        if name.startswith("deepspeed") and hasattr(module, "get_deepcompile_handle"):
-            module.get_deepcompile_handle = _NoOp
     graphs = []
 
-    def stand_in_backend(*a, **k):
+    def compile_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
-        def compile_graph(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-
-        return compile_graph
-
-    init_z12.make_backend = init_z3.make_backend = stand_in_backend
+    stand_in_deepcompile(NoOpHandle(), compile_graph)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     torch.manual_seed(0)

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
 from founding_common import ensure_dist_env, init_distributed  # noqa: E402
+from dc_stand_in import NoOpHandle, stand_in_deepcompile  # noqa: E402
 
 PREFIX = "PASSES_REPORT "
 
@@ -36,12 +37,6 @@ class Net(torch.nn.Module):  # defined here, not in torch: Dynamo skips torch's 
         return self.b(torch.relu(self.a(x)))
 
 
-class _NoOp:
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
@@ -49,25 +44,16 @@ def main():
     ensure_dist_env()  # one process: rank 0 of 1
     import deepspeed
     from deepspeed.compile import backend
-    import deepspeed.compile.init_z1_and_2 as init_z12
-    import deepspeed.compile.init_z3 as init_z3
 
     init_distributed("gloo")
-    for name, module in list(sys.modules.items()):
-        if name.startswith("deepspeed") and hasattr(module, "get_deepcompile_handle"):
-            module.get_deepcompile_handle = _NoOp
     seen = []
 
-    def stand_in_backend(*args, **kwargs):
+    def compile_graph(gm, example_inputs):
+        passes = backend.next_passes
+        seen.append(None if passes is None else [p.__name__ for p in passes])
+        return gm.forward
 
-        def compile_graph(gm, example_inputs):
-            passes = backend.next_passes
-            seen.append(None if passes is None else [p.__name__ for p in passes])
-            return gm.forward
-
-        return compile_graph
-
-    init_z12.make_backend = init_z3.make_backend = stand_in_backend
+    stand_in_deepcompile(NoOpHandle(), compile_graph)
     torch.manual_seed(0)
     model = Net()
     config = {
