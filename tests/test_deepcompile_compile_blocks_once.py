@@ -68,3 +68,24 @@ def test_blocks_with_frozen_parameters_are_refused_and_the_model_kept(tmp_path):
     report = _run(tmp_path, "--stage", "3", "--blocks", "--freeze")
     assert report["error"] and "compile_blocks_once" in report["error"] and "frozen" in report["error"], report
     assert report["layers_forward_kept"], report
+
+
+def test_a_block_with_a_forward_of_its_own_keeps_it():
+    # A wrapper set on the instance (as accelerate's hooks set one) is not replaced by the class's forward
+    cpu_worker.run_code("""
+        import torch
+        from deepspeed.compile.blocks import compile_blocks_once, restore_blocks
+
+        class Block(torch.nn.Linear):
+            pass
+
+        model = torch.nn.Sequential(torch.nn.ModuleList([Block(4, 4), Block(4, 4), Block(4, 4)]))
+        layers = model[0]
+        own = layers[1].forward = lambda x: x + 1
+        changed = compile_blocks_once(model)
+        assert changed == [layers[0], layers[2]], changed
+        assert layers[1].forward is own and torch.equal(layers[1](torch.zeros(4)), torch.ones(4))
+        restore_blocks(changed)
+        assert "forward" not in vars(layers[0]) and layers[1].forward is own
+        print("KEPT")
+    """, "KEPT")
