@@ -23,10 +23,15 @@ from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
                                 reason=f"torch {torch.__version__} has no torch.compiler.nested_compile_region")
 
-# transformers' Llama of `layers` decoder layers (set before), each a nested compile region, and `backend`: Dynamo's
-# graphs through AOTAutograd with DeepCompile ZeRO-3's partitioner, as its Inductor backend wraps it. Each call keeps
-# its inputs and parameters (index, ds_id, shape) in `compiled`, and the partitioned graphs in compiled["fw"], ["bw"].
-NESTED_LLAMA = """
+# transformers' Llama of `layers` decoder layers, with a PEFT LoRA adapter on q_proj and v_proj if `lora`, each decoder
+# layer a nested compile region (`decoder_layers`), and `backend`: Dynamo's graphs through AOTAutograd with DeepCompile
+# ZeRO-3's partitioner, as its Inductor backend wraps it. Each call keeps its inputs and parameters (index, ds_id,
+# shape) in `compiled`, and the partitioned graphs in compiled["fw"], ["bw"].
+def nested_llama(layers, lora=False):
+    return f"    layers, lora = {layers}, {lora}\n" + _NESTED_LLAMA
+
+
+_NESTED_LLAMA = """
     import json
     import operator
     import transformers
@@ -43,8 +48,12 @@ NESTED_LLAMA = """
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    block = torch.compiler.nested_compile_region(type(model.model.layers[0]).forward)
-    for layer in model.model.layers:
+    if lora:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    decoder_layers = model.get_decoder().layers
+    block = torch.compiler.nested_compile_region(type(decoder_layers[0]).forward)
+    for layer in decoder_layers:
         layer.forward = block.__get__(layer)
     compiled = {"fw": [], "bw": []}
 
@@ -78,7 +87,7 @@ REGIONS = """
     if error is None:
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
-        for layer in model.model.layers:
+        for layer in decoder_layers:
             del layer.forward
         eager = model(input_ids=ids, labels=ids).loss
         eager.backward()
@@ -120,7 +129,7 @@ REGIONS = """
 
 @pytest.fixture(scope="module")
 def regions():
-    out = cpu_worker.run_code(DEFINE_OPS + "    layers = 3\n" + NESTED_LLAMA + REGIONS, "REGIONS ",
+    out = cpu_worker.run_code(DEFINE_OPS + nested_llama(3) + REGIONS, "REGIONS ",
                               timeout=600)
     return json.loads([line for line in out.splitlines() if line.startswith("REGIONS ")][-1][len("REGIONS "):])
 

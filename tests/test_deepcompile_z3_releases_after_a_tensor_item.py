@@ -19,7 +19,7 @@ import torch
 
 import cpu_worker
 from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
-from test_deepcompile_z3_partitions_nested_compile_regions import NESTED_LLAMA
+from test_deepcompile_z3_partitions_nested_compile_regions import nested_llama
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
                                 reason=f"torch {torch.__version__} has no torch.compiler.nested_compile_region")
@@ -54,7 +54,7 @@ RELEASES = """
 
 
 def test_every_release_waits_on_a_tensor():
-    out = cpu_worker.run_code(DEFINE_OPS + "    layers = 2\n" + NESTED_LLAMA + RELEASES, "RELEASES ", timeout=600)
+    out = cpu_worker.run_code(DEFINE_OPS + nested_llama(2) + RELEASES, "RELEASES ", timeout=600)
     report = json.loads([line for line in out.splitlines() if line.startswith("RELEASES ")][-1][len("RELEASES "):])
     assert report["region_size_items"] > 0, report  # the case: the regions return sizes among their outputs
     assert report["releases"] > 0, report
