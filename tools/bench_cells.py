@@ -38,9 +38,9 @@ MODELS = {
     # Llama-3-8B-shaped (8.0B parameters), and its width at 8 and 16 layers (2.8B, 4.5B): warm-up against depth.
     "llama-8b": ("LlamaConfig", LLAMA_8B),
     **{f"llama-8b-{n}l": ("LlamaConfig", dict(LLAMA_8B, num_hidden_layers=n)) for n in (8, 16)},
-    # The 8B model's depth at the 1.5B model's width (2.1B parameters): DeepCompile's passes cost what the graph's
-    # node count costs, which the depth decides; two of these warm up side by side on one H200.
-    "llama-1.5b-32l": ("LlamaConfig", dict(LLAMA_15B, num_hidden_layers=32)),
+    # The 1.5B model's width at 8 and 32 layers (1.0B, 2.5B parameters): DeepCompile's passes cost what the
+    # graph's node count costs, which the depth decides.
+    **{f"llama-1.5b-{n}l": ("LlamaConfig", dict(LLAMA_15B, num_hidden_layers=n)) for n in (8, 32)},
     # Qwen3-8B-shaped (8.2B parameters): the model of the defect report DeepSpeed PR #8036 measured on 8 GPUs.
     "qwen3-8b": ("Qwen3Config", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)),
@@ -109,7 +109,8 @@ SETS = {
        for n in (8, 16)},
     # Each decoder layer compiled once (compile_blocks_once) beside the whole model; FSDP2 + per-block compile after.
     "blocks-1.5b": ("llama-1.5b", 4096, 1, [["dc-z3", "dc-z3-blocks"], ["fsdp2"]]),
-    "blocks-1.5b-32l": ("llama-1.5b-32l", 4096, 1, [["dc-z3-blocks"], ["fsdp2"]]),
+    # The same at 8 and 32 layers of the 1.5B width: warm-up against depth.
+    **{f"blocks-1.5b-{n}l": (f"llama-1.5b-{n}l", 4096, 1, [["dc-z3-blocks"], ["fsdp2"]]) for n in (8, 32)},
     "blocks-8b": ("llama-8b", 4096, 1, [["dc-z3", "dc-z3-blocks"], ["fsdp2"]]),
     "size-1.5b-causal": ("llama-1.5b", 4096, 1, [["dc-z3-causal", "dc-z3"], ["fsdp2"]]),
     # https://github.com/deepspeedai/DeepSpeed/pull/8036's setting, with --gpus 8 and a --site for each version:
