@@ -64,6 +64,8 @@ EVAL_BATCHES = 4
 # micro-batch of plan() at 8 ranks, within the zoo models' 256 positions.
 LENGTHS = [n for n in range(33, 240) if n % 8]
 RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+# Options added to DeepCompile's `compile` section of every DeepCompile cell and Trainer run (test_model_zoo.py).
+COMPILE_OPTIONS = json.loads(os.environ.get("ZOO_COMPILE", "{}"))
 # ZeRO-2's gradient-reduction options a stage name may change (see the docstring).
 ZERO2_OPTIONS = {"+oc": ("overlap_comm", True), "-cg": ("contiguous_gradients", False)}
 
@@ -85,7 +87,7 @@ def ds_config(stage, mode):
     stage, options = zero_stage(stage)
     return ds_configs.zero(stage, MICRO_BATCH, GRAD_ACC, LR, optimizer="AdamW", deepcompile=mode == "deepcompile",
                            clip=float(os.environ.get("ZOO_CLIP", "1.0")), stage3_param_persistence_threshold=0,
-                           compile_options=json.loads(os.environ.get("ZOO_COMPILE", "{}")), **options)
+                           compile_options=COMPILE_OPTIONS, **options)
 
 
 def make_batch(index, labels=True):

@@ -16,7 +16,6 @@ of the engine's forward.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from founding_common import describe, run_worker, setup_device, stacks_at_deadline, cancel_deadline  # noqa: E402
-from zoo_cell import Counters  # noqa: E402
+from zoo_cell import COMPILE_OPTIONS, Counters  # noqa: E402
 import zoo_models  # noqa: E402
 
 MAX_STEPS = 8
@@ -86,7 +85,7 @@ def main(report):
         "steps_per_print": 1_000_000_000,
     }
     if args.mode == "deepcompile":
-        ds["compile"] = {"deepcompile": True, **json.loads(os.environ.get("ZOO_COMPILE", "{}"))}
+        ds["compile"] = {"deepcompile": True, **COMPILE_OPTIONS}
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=2, per_device_eval_batch_size=2,
                               gradient_accumulation_steps=2, max_steps=MAX_STEPS, eval_strategy="steps",
                               eval_steps=EVAL_STEPS, eval_on_start=EVAL_ON_START, logging_steps=1, learning_rate=1e-3,
