@@ -70,6 +70,25 @@ _NESTED_LLAMA = """
 
         return aot_module_simplified(gm, inputs, fw_compiler=keeping("fw"), bw_compiler=keeping("bw"),
                                      partition_fn=partition)
+
+    def under_deepcompile_ops(node):
+        # the value under the releases and reductions DeepCompile's passes put after it
+        while node.op == "call_function" and node.target in (torch.ops.dc.release_param.default,
+                                                             torch.ops.dc.reduce_grad.default):
+            node = node.args[0]
+        return node
+
+    def against_eager(loss, ids):
+        # After the compiled model's backward: its loss and gradients against the model run eagerly, layers inlined.
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad()
+        for layer in decoder_layers:
+            del layer.forward
+        eager = model(input_ids=ids, labels=ids).loss
+        eager.backward()
+        return dict(loss=float(loss), eager_loss=float(eager),
+                    grad_diff=max(float((grads[n] - p.grad).abs().max()) for n, p in model.named_parameters()
+                                  if p.requires_grad))
 """
 
 REGIONS = """
@@ -85,14 +104,7 @@ REGIONS = """
         error = f"{type(e).__name__}: {e}"[:600]
     report = dict(error=error)
     if error is None:
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad()
-        for layer in decoder_layers:
-            del layer.forward
-        eager = model(input_ids=ids, labels=ids).loss
-        eager.backward()
-        report["loss"], report["eager_loss"] = float(loss), float(eager)
-        report["grad_diff"] = max(float((grads[n] - p.grad).abs().max()) for n, p in model.named_parameters())
+        report.update(against_eager(loss, ids))
 
         (fw,), (bw,) = compiled["fw"], compiled["bw"]
         fw_inputs = fw.graph.find_nodes(op="placeholder")

@@ -35,13 +35,7 @@ REDUCES = """
     ids = torch.randint(0, 256, (2, 24))
     loss = torch.compile(model, backend=backend)(input_ids=ids, labels=ids).loss
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    model.zero_grad()
-    for layer in decoder_layers:
-        del layer.forward
-    eager = model(input_ids=ids, labels=ids).loss
-    eager.backward()
-    grad_diff = max(float((grads[n] - p.grad).abs().max()) for n, p in model.named_parameters() if p.requires_grad)
+    report = against_eager(loss, ids)
 
     (fw,), (bw,) = compiled["fw"], compiled["bw"]
     manager = DSGraphParamManager(fw.graph, compiled["inputs"], compiled["params"])
@@ -54,17 +48,10 @@ REDUCES = """
                 if param_grads[name] is not None and outputs[i] is not None]
     releases = graph.find_nodes(op="call_function", target=torch.ops.dc.release_param.default)
 
-    def released_after(node):
-        # the value a release follows, under the DeepCompile ops between them
-        while node.target in (torch.ops.dc.release_param.default, torch.ops.dc.reduce_grad.default):
-            node = node.args[0]
-        return node.name
-
     print("REDUCES " + json.dumps(dict(
-        loss=float(loss), eager_loss=float(eager), grad_diff=grad_diff,
-        trainable=len(gradient_nodes),
+        report, trainable=len(gradient_nodes),
         reductions=len(graph.find_nodes(op="call_function", target=torch.ops.dc.reduce_grad.default)),
-        released_after_a_gradient=sum(released_after(n.args[0]) in gradient_nodes for n in releases),
+        released_after_a_gradient=sum(under_deepcompile_ops(n.args[0]).name in gradient_nodes for n in releases),
         returned=returned)))
 """
 

@@ -38,13 +38,7 @@ RELEASES = """
     graph = add_gather_and_release(0, graph, manager, get_param_nodes(graph, compiled["params"]))
     releases = [n for n in graph.nodes if n.target == torch.ops.dc.release_param.default]
 
-    def released_after(node):
-        # releases that follow one user pass its value on: the value under them
-        while node.target == torch.ops.dc.release_param.default:
-            node = node.args[0]
-        return type(node.meta.get("val")).__name__
-
-    after = [released_after(n.args[0]) for n in releases]
+    after = [type(under_deepcompile_ops(n.args[0]).meta.get("val")).__name__ for n in releases]
     region_items = [n for n in graph.nodes if n.op == "call_function" and n.target is operator.getitem
                     and "invoke_subgraph" in str(n.args[0].target)]
     print("RELEASES " + json.dumps(dict(
