@@ -61,7 +61,7 @@ MODELS = {
 
 SUBJECTS = ("torch", "compile", "compile-amp", "ds-z0", "ds-z1", "ds-z2", "ds-z2-oc", "ds-z3", "dc-z1", "dc-z2",
             "dc-z3", "dc-z1-bf16", "dc-z3-bf16", "dc-z3-pad", "dc-z3-rbauto", "dc-z3-rb1e8", "dc-z3-blocks", "fsdp2",
-            "compile-causal", "dc-z1-causal", "dc-z3-causal")
+            "compile-causal", "dc-z1-causal", "dc-z3-causal", "dc-z3-blocks-causal")
 # Subjects whose code is DeepSpeed's: these run once per --site; the others once.
 SITED = tuple(s for s in SUBJECTS if s.startswith(("ds-", "dc-")))
 
@@ -112,6 +112,9 @@ SETS = {
     # The same at 8 and 32 layers of the 1.5B width: warm-up against depth.
     **{f"blocks-1.5b-{n}l": (f"llama-1.5b-{n}l", 4096, 1, [["dc-z3-blocks"], ["fsdp2"]]) for n in (8, 32)},
     "blocks-8b": ("llama-8b", 4096, 1, [["dc-z3", "dc-z3-blocks"], ["fsdp2"]]),
+    # The same with SDPA's flash kernel for the whole-model graph too (transformers >= 5.18 on torch >= 2.14 passes no
+    # mask where nothing is padded): the 8B step against FSDP2 + compile as a new install trains it.
+    "blocks-8b-causal": ("llama-8b", 4096, 1, [["dc-z3-blocks-causal"], ["fsdp2"]]),
     "size-1.5b-causal": ("llama-1.5b", 4096, 1, [["dc-z3-causal", "dc-z3"], ["fsdp2"]]),
     # https://github.com/deepspeedai/DeepSpeed/pull/8036's setting, with --gpus 8 and a --site for each version:
     # DeepCompile ZeRO-1's step and peak memory, the fork against 0.19.8.
