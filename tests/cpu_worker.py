@@ -38,6 +38,12 @@ def run_code(code, marker, timeout=300):
     return proc.stdout + proc.stderr
 
 
+def code_report(code, prefix, timeout=300):
+    """run_code(code, prefix), and the JSON report the code printed last after `prefix`."""
+    out = run_code(code, prefix, timeout=timeout)
+    return json.loads([line for line in out.splitlines() if line.startswith(prefix)][-1][len(prefix):])
+
+
 def run(script, args, prefix, cwd, timeout=600, **extra_env):
     """(the report the worker printed after `prefix`, everything it printed); skips where deepspeed is missing, fails
     when the worker does not end within `timeout` s (having printed its report or not)."""

@@ -12,8 +12,6 @@ transformers' Llama on the CPU, each decoder layer a nested compile region, trac
 DeepCompile's partitioner (the one its Inductor backend wraps); DeepCompile's ops defined from the wheel's schemas.
 """
 
-import json
-
 import pytest
 import torch
 
@@ -141,9 +139,7 @@ REGIONS = """
 
 @pytest.fixture(scope="module")
 def regions():
-    out = cpu_worker.run_code(DEFINE_OPS + nested_llama(3) + REGIONS, "REGIONS ",
-                              timeout=600)
-    return json.loads([line for line in out.splitlines() if line.startswith("REGIONS ")][-1][len("REGIONS "):])
+    return cpu_worker.code_report(DEFINE_OPS + nested_llama(3) + REGIONS, "REGIONS ", timeout=600)
 
 
 def test_a_model_of_nested_regions_partitions_and_trains_as_eager(regions):

@@ -15,8 +15,6 @@ and AOTAutograd with DeepCompile's partitioner; DeepCompile's gather, release an
 backward graph, its ops defined from the wheel's schemas.
 """
 
-import json
-
 import pytest
 import torch
 
@@ -58,8 +56,7 @@ REDUCES = """
 
 @pytest.fixture(scope="module")
 def lora_regions():
-    out = cpu_worker.run_code(DEFINE_OPS + nested_llama(2, lora=True) + REDUCES, "REDUCES ", timeout=600)
-    return json.loads([line for line in out.splitlines() if line.startswith("REDUCES ")][-1][len("REDUCES "):])
+    return cpu_worker.code_report(DEFINE_OPS + nested_llama(2, lora=True) + REDUCES, "REDUCES ", timeout=600)
 
 
 def test_a_lora_model_of_nested_regions_trains_as_eager(lora_regions):

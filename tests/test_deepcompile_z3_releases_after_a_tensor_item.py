@@ -12,8 +12,6 @@ two lengths (the second a symbol) with DeepCompile's partitioner; DeepCompile's 
 the forward graph, its ops defined from the wheel's schemas.
 """
 
-import json
-
 import pytest
 import torch
 
@@ -48,8 +46,7 @@ RELEASES = """
 
 
 def test_every_release_waits_on_a_tensor():
-    out = cpu_worker.run_code(DEFINE_OPS + nested_llama(2) + RELEASES, "RELEASES ", timeout=600)
-    report = json.loads([line for line in out.splitlines() if line.startswith("RELEASES ")][-1][len("RELEASES "):])
+    report = cpu_worker.code_report(DEFINE_OPS + nested_llama(2) + RELEASES, "RELEASES ", timeout=600)
     assert report["region_size_items"] > 0, report  # the case: the regions return sizes among their outputs
     assert report["releases"] > 0, report
     assert set(report["after"]) == {"FakeTensor"}, report  # 0.19.8: some after a SymInt

@@ -18,8 +18,6 @@ deepcompile-z3-schedule-reads-each-nodes-arguments-once keeps them for the sched
 The graphs come from transformers' Llama at a small width (the node count does not depend on the width), traced by
 Dynamo and AOTAutograd on the CPU; DeepCompile's ops are defined from the wheel's schemas (no compiled extension)."""
 
-import json
-
 import pytest
 
 import cpu_worker
@@ -105,9 +103,7 @@ SCHEDULE_WORK = """
 @pytest.fixture(scope="module")
 def schedules():
     """One schedule each of the 4- and 16-layer graphs, checked valid: {hashes, argument_reads, nodes} by depth."""
-    out = cpu_worker.run_code(DEFINE_OPS + SCHEDULE_WORK, "SCHEDULE_WORK ", timeout=600)
-    line = [line for line in out.splitlines() if line.startswith("SCHEDULE_WORK ")][-1]
-    counts = json.loads(line[len("SCHEDULE_WORK "):])
+    counts = cpu_worker.code_report(DEFINE_OPS + SCHEDULE_WORK, "SCHEDULE_WORK ", timeout=600)
     return {k: {int(layers): n for layers, n in v.items()} for k, v in counts.items()}
 
 
