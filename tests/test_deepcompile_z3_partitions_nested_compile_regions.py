@@ -22,11 +22,11 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_regi
                                 reason=f"torch {torch.__version__} has no torch.compiler.nested_compile_region")
 
 # transformers' Llama of `layers` decoder layers, with a PEFT LoRA adapter on q_proj and v_proj if `lora`, each decoder
-# layer a nested compile region (`decoder_layers`), and `backend`: Dynamo's graphs through AOTAutograd with DeepCompile
-# ZeRO-3's partitioner, as its Inductor backend wraps it. Each call keeps its inputs and parameters (index, ds_id,
-# shape) in `compiled`, and the partitioned graphs in compiled["fw"], ["bw"].
-def nested_llama(layers, lora=False):
-    return f"    layers, lora = {layers}, {lora}\n" + _NESTED_LLAMA
+# layer a nested compile region (`decoder_layers`) unless `regions` is false, and `backend`: Dynamo's graphs through
+# AOTAutograd with DeepCompile ZeRO-3's partitioner, as its Inductor backend wraps it. Each call keeps its inputs and
+# parameters (index, ds_id, shape) in `compiled`, and the partitioned graphs in compiled["fw"], ["bw"].
+def nested_llama(layers, lora=False, regions=True):
+    return f"    layers, lora, regions = {layers}, {lora}, {regions}\n" + _NESTED_LLAMA
 
 
 _NESTED_LLAMA = """
@@ -51,7 +51,7 @@ _NESTED_LLAMA = """
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     decoder_layers = model.get_decoder().layers
     block = torch.compiler.nested_compile_region(type(decoder_layers[0]).forward)
-    for layer in decoder_layers:
+    for layer in decoder_layers if regions else ():
         layer.forward = block.__get__(layer)
     compiled = {"fw": [], "bw": []}
 
@@ -81,7 +81,7 @@ _NESTED_LLAMA = """
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         model.zero_grad()
         for layer in decoder_layers:
-            del layer.forward
+            layer.__dict__.pop("forward", None)
         eager = model(input_ids=ids, labels=ids).loss
         eager.backward()
         return dict(loss=float(loss), eager_loss=float(eager),
