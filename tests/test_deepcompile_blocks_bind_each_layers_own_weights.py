@@ -1,0 +1,96 @@
+"""With compile_blocks_once on torch >= 2.14, every decoder layer ran with the first layer's weights.
+
+torch 2.14's Dynamo reuses the trace of a nested compile region for a later call whose inputs match the first call's,
+and stamps it out with that call's own inputs. compile_blocks_once bound the region to each block (the block's forward
+a method of its own), which hid the block from those inputs: every layer matched the first and ran with its weights.
+transformers' Llama (6 layers, use_cache=False, as gradient checkpointing sets it) lost 5.5797 where eager lost 5.5488,
+and only the first layer's weights got gradients; with the KV cache on, the cache's updates kept Dynamo from reusing
+and hid the defect. With the patch (deepcompile-compile-blocks-once-binds-each-layers-own-weights) each block becomes
+an instance of a subclass of its class whose forward is the region, and Dynamo reuses the trace with each layer's own
+weights. torch 2.11 reuses nothing, so there this checks only that the layers train as eager.
+
+transformers' Llama on the CPU, its layers made regions by compile_blocks_once, compiled with AOTAutograd (aot_eager)
+against the same model run eagerly: the loss and every parameter's gradient, Dynamo's reuses of the region's trace,
+and that a block still copies, pickles and restores as its own class.
+"""
+
+import pytest
+import torch
+
+import cpu_worker
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
+                                reason=f"torch {torch.__version__} has no torch.compiler.nested_compile_region")
+
+LAYERS = 4
+
+OWN_WEIGHTS = f"""
+    import copy, io, json
+    import torch, transformers
+    import torch._dynamo.variables as dynamo_variables
+    from deepspeed.compile.blocks import compile_blocks_once, restore_blocks
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers={LAYERS},
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    layer_class = type(model.model.layers[0])
+    ids = torch.randint(0, 256, (2, 12))
+    eager = model(input_ids=ids, labels=ids).loss
+    eager.backward()
+    eager_grads = {{n: p.grad.clone() for n, p in model.named_parameters()}}
+    model.zero_grad()
+
+    reuses = None  # torch versions whose Dynamo reuses a region's trace stamp it out here
+    reuse_module = getattr(dynamo_variables, "invoke_subgraph", None)
+    if hasattr(reuse_module, "stamp_out_subgraph"):
+        reuses, stamp_out = [], reuse_module.stamp_out_subgraph
+        reuse_module.stamp_out_subgraph = lambda *a, **k: (reuses.append(1), stamp_out(*a, **k))[1]
+    blocks = compile_blocks_once(model)
+    loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
+    loss.backward()
+    without_grad = [n for n, p in model.named_parameters() if p.grad is None]
+    grad_diff = max(float((p.grad - eager_grads[n]).abs().max()) for n, p in model.named_parameters()
+                    if p.grad is not None)
+
+    report = dict(blocks=len(blocks), loss=float(loss), eager_loss=float(eager), without_grad=without_grad,
+                  grad_diff=grad_diff, reuses=None if reuses is None else len(reuses))
+    try:
+        copied = copy.deepcopy(model.model.layers[1])
+        saved = io.BytesIO()
+        torch.save(model.model.layers[1], saved)
+        saved.seek(0)
+        loaded = torch.load(saved, weights_only=False)
+        report.update(copied_as=type(copied) is layer_class, loaded_as=type(loaded) is layer_class,
+                      loaded_same=all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                                       model.model.layers[1].state_dict().values())))
+    except Exception as e:
+        report["copy_error"] = f"{{type(e).__name__}}: {{e}}"[:300]
+    restore_blocks(blocks)
+    report["restored"] = all(type(layer) is layer_class and "forward" not in vars(layer) for layer in model.model.layers)
+    print("OWN_WEIGHTS " + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def report():
+    return cpu_worker.code_report(OWN_WEIGHTS, "OWN_WEIGHTS ", timeout=600)
+
+
+def test_every_layer_trains_with_its_own_weights(report):
+    assert report["blocks"] == LAYERS, report
+    assert report["without_grad"] == [], f"parameters the compiled model gave no gradient: {report['without_grad']}"
+    assert abs(report["loss"] - report["eager_loss"]) <= 1e-6 * abs(report["eager_loss"]), report
+    assert report["grad_diff"] <= 1e-5, report
+
+
+def test_dynamo_still_reuses_the_region_where_torch_can(report):
+    if report["reuses"] is None:
+        pytest.skip(f"torch {torch.__version__}'s Dynamo does not reuse a region's trace")
+    assert report["reuses"] == LAYERS - 1, report
+
+
+def test_a_block_copies_pickles_and_restores_as_its_own_class(report):
+    assert "copy_error" not in report, report["copy_error"]
+    assert report["copied_as"] and report["loaded_as"] and report["loaded_same"], report
+    assert report["restored"], report
