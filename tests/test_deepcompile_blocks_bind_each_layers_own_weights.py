@@ -9,9 +9,10 @@ and hid the defect. With the patch (deepcompile-compile-blocks-once-binds-each-l
 an instance of a subclass of its class whose forward is the region, and Dynamo reuses the trace with each layer's own
 weights. torch 2.11 reuses nothing, so there this checks only that the layers train as eager.
 
-transformers' Llama on the CPU, its layers made regions by compile_blocks_once, compiled with AOTAutograd (aot_eager)
-against the same model run eagerly: the loss and every parameter's gradient, Dynamo's reuses of the region's trace,
-and that a block still copies, pickles and restores as its own class.
+Llama, Mixtral, Qwen2-MoE and GPT-2 from transformers on the CPU, their layers made regions by compile_blocks_once,
+compiled with AOTAutograd (aot_eager) against the same model run eagerly: the loss and every parameter's gradient,
+Dynamo's reuses of the region's trace, and that a block still copies, pickles and restores as its own class. On
+fork.60 with torch 2.14.1, Mixtral's, Qwen2-MoE's and GPT-2's later layers got no gradient either.
 """
 
 import pytest
@@ -30,11 +31,9 @@ OWN_WEIGHTS = f"""
     import torch._dynamo.variables as dynamo_variables
     from deepspeed.compile.blocks import compile_blocks_once, restore_blocks
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers={LAYERS},
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_cache=False)
+    config = {{config}}
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    layer_class = type(model.model.layers[0])
     ids = torch.randint(0, 256, (2, 12))
     eager = model(input_ids=ids, labels=ids).loss
     eager.backward()
@@ -47,6 +46,7 @@ OWN_WEIGHTS = f"""
         reuses, stamp_out = [], reuse_module.stamp_out_subgraph
         reuse_module.stamp_out_subgraph = lambda *a, **k: (reuses.append(1), stamp_out(*a, **k))[1]
     blocks = compile_blocks_once(model)
+    layer_class = blocks[0].compiled_once_from
     loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
     loss.backward()
     without_grad = [n for n, p in model.named_parameters() if p.grad is None]
@@ -56,25 +56,38 @@ OWN_WEIGHTS = f"""
     report = dict(blocks=len(blocks), loss=float(loss), eager_loss=float(eager), without_grad=without_grad,
                   grad_diff=grad_diff, reuses=None if reuses is None else len(reuses))
     try:
-        copied = copy.deepcopy(model.model.layers[1])
+        copied = copy.deepcopy(blocks[1])
         saved = io.BytesIO()
-        torch.save(model.model.layers[1], saved)
+        torch.save(blocks[1], saved)
         saved.seek(0)
         loaded = torch.load(saved, weights_only=False)
         report.update(copied_as=type(copied) is layer_class, loaded_as=type(loaded) is layer_class,
                       loaded_same=all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
-                                                                       model.model.layers[1].state_dict().values())))
+                                                                       blocks[1].state_dict().values())))
     except Exception as e:
         report["copy_error"] = f"{{type(e).__name__}}: {{e}}"[:300]
     restore_blocks(blocks)
-    report["restored"] = all(type(layer) is layer_class and "forward" not in vars(layer) for layer in model.model.layers)
+    report["restored"] = all(type(block) is layer_class and "forward" not in vars(block) for block in blocks)
     print("OWN_WEIGHTS " + json.dumps(report))
 """
 
 
-@pytest.fixture(scope="module")
-def report():
-    return cpu_worker.code_report(OWN_WEIGHTS, "OWN_WEIGHTS ", timeout=600)
+# One small config a family of the model zoo, without the KV cache (with it, Dynamo reuses no trace).
+SMALL = f"num_hidden_layers={LAYERS}, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_cache=False"
+FAMILIES = {
+    "llama": f"transformers.LlamaConfig(hidden_size=64, intermediate_size=128, {SMALL})",
+    "mixtral": f"transformers.MixtralConfig(hidden_size=64, intermediate_size=64, num_local_experts=4, {SMALL})",
+    "qwen2_moe": f"transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, "
+                 f"shared_expert_intermediate_size=64, num_experts=4, {SMALL})",
+    "gpt2": f"transformers.GPT2Config(n_embd=64, n_layer={LAYERS}, n_head=4, vocab_size=256, use_cache=False, "
+            f"resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def report(request):
+    code = OWN_WEIGHTS.replace("{config}", FAMILIES[request.param])
+    return cpu_worker.code_report(code, "OWN_WEIGHTS ", timeout=600)
 
 
 def test_every_layer_trains_with_its_own_weights(report):
@@ -87,7 +100,8 @@ def test_every_layer_trains_with_its_own_weights(report):
 def test_dynamo_still_reuses_the_region_where_torch_can(report):
     if report["reuses"] is None:
         pytest.skip(f"torch {torch.__version__}'s Dynamo does not reuse a region's trace")
-    assert report["reuses"] == LAYERS - 1, report
+    # every layer after the first, in each graph Dynamo makes of the model (GPT-2's: several)
+    assert report["reuses"] >= LAYERS - 1, report
 
 
 def test_a_block_copies_pickles_and_restores_as_its_own_class(report):
