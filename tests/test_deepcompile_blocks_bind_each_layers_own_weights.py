@@ -29,7 +29,7 @@ OWN_WEIGHTS = f"""
     import copy, io, json
     import torch, transformers
     import torch._dynamo.variables as dynamo_variables
-    from deepspeed.compile.blocks import compile_blocks_once, restore_blocks
+    from deepspeed.compile.blocks import compile_blocks_once, repeated_blocks, restore_blocks
 
     config = {{config}}
     torch.manual_seed(0)
@@ -45,8 +45,8 @@ OWN_WEIGHTS = f"""
     if hasattr(reuse_module, "stamp_out_subgraph"):
         reuses, stamp_out = [], reuse_module.stamp_out_subgraph
         reuse_module.stamp_out_subgraph = lambda *a, **k: (reuses.append(1), stamp_out(*a, **k))[1]
+    layer_class = type(repeated_blocks(model)[0])
     blocks = compile_blocks_once(model)
-    layer_class = blocks[0].compiled_once_from
     loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
     loss.backward()
     without_grad = [n for n, p in model.named_parameters() if p.grad is None]
