@@ -72,7 +72,7 @@ OWN_WEIGHTS = f"""
 """
 
 
-# One small config a family of the model zoo, without the KV cache (with it, Dynamo reuses no trace).
+# One small config per family of the model zoo, without the KV cache (with it, Dynamo reuses no trace).
 SMALL = f"num_hidden_layers={LAYERS}, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, use_cache=False"
 FAMILIES = {
     "llama": f"transformers.LlamaConfig(hidden_size=64, intermediate_size=128, {SMALL})",
