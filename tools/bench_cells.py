@@ -112,6 +112,8 @@ SETS = {
     # The same at 8 and 32 layers of the 1.5B width: warm-up against depth.
     **{f"blocks-1.5b-{n}l": (f"llama-1.5b-{n}l", 4096, 1, [["dc-z3-blocks"], ["fsdp2"]]) for n in (8, 32)},
     "blocks-8b": ("llama-8b", 4096, 1, [["dc-z3", "dc-z3-blocks"], ["fsdp2"]]),
+    # The 8B model's width at 8 and 16 layers with compile_blocks_once: warm-up against depth beside blocks-8b.
+    **{f"blocks-8b-{n}l": (f"llama-8b-{n}l", 4096, 1, [["dc-z3-blocks"], ["fsdp2"]]) for n in (8, 16)},
     # The same with SDPA's flash kernel for the whole-model graph too (transformers >= 5.18 on torch >= 2.14 passes no
     # mask where nothing is padded): the 8B step against FSDP2 + compile as a new install trains it.
     "blocks-8b-causal": ("llama-8b", 4096, 1, [["dc-z3-blocks-causal"], ["fsdp2"]]),
