@@ -75,7 +75,8 @@ SCHEDULE_WORK = """
         # walks back through the graph (get_node_requirements) visited.
         import deepspeed.compile.list_schedule as list_schedule
         hashes, reads, walked = [0], [0], [0]
-        node_hash, map_arg, requirements = torch.fx.Node.__hash__, list_schedule.map_arg, list_schedule.get_node_requirements
+        node_hash, map_arg = torch.fx.Node.__hash__, list_schedule.map_arg
+        requirements = list_schedule.get_node_requirements
 
         def counted(node):
             hashes[0] += 1
