@@ -117,6 +117,7 @@ SETS = {
     # The same with SDPA's flash kernel for the whole-model graph too (transformers >= 5.18 on torch >= 2.14 passes no
     # mask where nothing is padded): the 8B step against FSDP2 + compile as a new install trains it.
     "blocks-8b-causal": ("llama-8b", 4096, 1, [["dc-z3-blocks-causal"], ["fsdp2"]]),
+    **{f"blocks-8b-{n}l-causal": (f"llama-8b-{n}l", 4096, 1, [["dc-z3-blocks-causal"], ["fsdp2"]]) for n in (8, 16)},
     "size-1.5b-causal": ("llama-1.5b", 4096, 1, [["dc-z3-causal", "dc-z3"], ["fsdp2"]]),
     # https://github.com/deepspeedai/DeepSpeed/pull/8036's setting, with --gpus 8 and a --site for each version:
     # DeepCompile ZeRO-1's step and peak memory, the fork against 0.19.8.
