@@ -12,6 +12,8 @@ The accelerator's memory counter is scripted (tests/test_deepcompile_profiling_m
 profilers run on the CPU in a process of their own.
 """
 
+import os
+
 import cpu_worker
 from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
 from test_deepcompile_profiling_memory_release import MiB, run_passes, scripted  # noqa: F401 (a fixture)
@@ -66,7 +68,6 @@ PROFILERS_REPORT = """
 
 
 def test_the_profilers_report_their_runs():
-    import os
     workers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers")
     reported = cpu_worker.code_report(DEFINE_OPS + f"    WORKERS = {workers!r}\n" + PROFILERS_REPORT, "REPORTED ")
     assert reported == {"ProfilingInterpreter": True, "MemoryProfilingInterpreter": True}, reported
