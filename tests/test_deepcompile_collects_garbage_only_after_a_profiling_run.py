@@ -12,10 +12,8 @@ The accelerator's memory counter is scripted (tests/test_deepcompile_profiling_m
 profilers run on the CPU in a process of their own.
 """
 
-import os
-
 import cpu_worker
-from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
+from test_deepcompile_profiler_times_each_gather_shape_once import PROFILERS_ON_CPU
 from test_deepcompile_profiling_memory_release import MiB, run_passes, scripted  # noqa: F401 (a fixture)
 
 
@@ -42,19 +40,8 @@ def test_memory_a_profiler_left_is_collected(scripted):  # noqa: F811
 
 
 PROFILERS_REPORT = """
-    import json, sys
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch._inductor import config as inductor_config
     import deepspeed.compile.util as util
-    from deepspeed.compile.profilers import graph_profile
-    sys.path.insert(0, WORKERS)
-    from dc_profile_graph_mismatch import NoOpHandle, profile_on_cpu
 
-    inductor_config.fx_graph_cache = False
-    accelerator = deepspeed.accelerator.get_accelerator()
-    accelerator.current_device = lambda: "cpu"
-    profile_on_cpu(accelerator)
-    graph_profile.get_deepcompile_handle = NoOpHandle
     gm = torch.fx.symbolic_trace(lambda x: (torch.relu(x) * 2, ))
     reported = {}
     for name in ("ProfilingInterpreter", "MemoryProfilingInterpreter"):
@@ -68,6 +55,5 @@ PROFILERS_REPORT = """
 
 
 def test_the_profilers_report_their_runs():
-    workers = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers")
-    reported = cpu_worker.code_report(DEFINE_OPS + f"    WORKERS = {workers!r}\n" + PROFILERS_REPORT, "REPORTED ")
+    reported = cpu_worker.code_report(PROFILERS_ON_CPU + PROFILERS_REPORT, "REPORTED ")
     assert reported == {"ProfilingInterpreter": True, "MemoryProfilingInterpreter": True}, reported

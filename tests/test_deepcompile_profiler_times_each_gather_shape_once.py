@@ -22,26 +22,27 @@ from test_deepcompile_prefetch_survives_dead_code_elimination import DEFINE_OPS
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers")
 
-PROFILE = """
+# DeepCompile's profilers in a process of DeepSpeed's CPU accelerator: its ops defined (no kernels), its native handle
+# stood in for, no profile kept on disk between graphs. The code of a test follows it.
+PROFILERS_ON_CPU = DEFINE_OPS + f"    WORKERS = {WORKERS!r}\n" + """
     import json, sys
     import torch.fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._inductor import config as inductor_config
     from deepspeed.compile.profilers import graph_profile
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     sys.path.insert(0, WORKERS)
     from dc_profile_graph_mismatch import NoOpHandle, profile_on_cpu
 
-    inductor_config.fx_graph_cache = False  # no profile kept on disk between the graphs
+    inductor_config.fx_graph_cache = False
     accelerator = deepspeed.accelerator.get_accelerator()
     accelerator.current_device = lambda: "cpu"
     profile_on_cpu(accelerator)
+    graph_profile.get_deepcompile_handle = NoOpHandle
+"""
 
-    class Handle(NoOpHandle):
-        def invalidate_gathered_param(self, ds_id):
-            pass
+PROFILE = """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    graph_profile.get_deepcompile_handle = Handle
     runs = []
 
     def allgather_param(a, graph_id, id, dtype=None):
@@ -83,8 +84,7 @@ PROFILE = """
 
 @pytest.fixture(scope="module")
 def by_layers():
-    code = DEFINE_OPS + f"    WORKERS = {WORKERS!r}\n" + PROFILE
-    return {int(k): v for k, v in cpu_worker.code_report(code, "GATHER_RUNS ").items()}
+    return {int(k): v for k, v in cpu_worker.code_report(PROFILERS_ON_CPU + PROFILE, "GATHER_RUNS ").items()}
 
 
 def test_a_layers_gathers_are_not_timed_again(by_layers):

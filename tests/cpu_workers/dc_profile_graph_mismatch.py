@@ -79,6 +79,9 @@ class NoOpHandle:
     def clear_all_gathered_params(self):
         pass
 
+    def invalidate_gathered_param(self, ds_id):
+        pass
+
 
 def run_profiler(profiler, *inputs):
     """Run a profiler as DeepCompile's passes do: inside a compile, where AOT autograd's FakeTensorMode is active and
