@@ -1,14 +1,16 @@
 """Worker for tests/test_deepcompile_compile_blocks_once.py: transformers' Llama (3 decoder layers) under a DeepCompile
 engine, compiled with and without `"compile_blocks_once": true`. One process on CPU (gloo, DS_ACCELERATOR=cpu).
 
-  python tests/cpu_workers/dc_compile_blocks_once.py --stage 3 [--blocks] [--freeze]
+  python tests/cpu_workers/dc_compile_blocks_once.py --stage 3 [--blocks] [--freeze] [--layers 3] [--no-kv-cache]
+      [--family llama]
 
 DeepCompile's native op is replaced by a no-op and its backend by a stand-in that keeps each graph Dynamo hands it
 and runs it as traced (dc_stand_in.py); deepspeed.initialize and engine.compile() are real. Under ZeRO-3 the
 stand-in gathers nothing, so the calls run inside GatheredParameters. Reports (one line, BLOCKS_REPORT): for a call
 with labels and for greedy generation with the KV cache, the nested compile regions the graphs call and how many
 graphs they have, the loss or tokens against the model run eagerly; or the error engine.compile() raised, and
-whether the layers' forward was left as it was.
+whether the layers' forward was left as it was. Where Dynamo can reuse a region's trace for the next call (torch >=
+2.14), each part also counts the calls that reused one (`reuses`; null where it cannot).
 """
 
 import argparse
@@ -24,6 +26,19 @@ from dc_stand_in import NoOpHandle, stand_in_deepcompile  # noqa: E402
 
 PREFIX = "BLOCKS_REPORT "
 
+# One small config per family: (transformers, layers) -> config.
+SMALL = dict(num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+FAMILIES = {
+    "llama": lambda t, n: t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=n, **SMALL),
+    "mixtral": lambda t, n: t.MixtralConfig(hidden_size=64, intermediate_size=64, num_local_experts=4,
+                                            num_hidden_layers=n, **SMALL),
+    "qwen2_moe": lambda t, n: t.Qwen2MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=64, num_experts=4,
+                                               num_hidden_layers=n, **SMALL),
+    "gpt2": lambda t, n: t.GPT2Config(n_embd=64, n_layer=n, n_head=4, vocab_size=256, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0),
+}
+
 
 def regions(gm):
     """(calls of nested compile regions, distinct region graphs) in a Dynamo graph module."""
@@ -31,11 +46,31 @@ def regions(gm):
     return len(calls), len({n.args[0].target for n in calls})
 
 
+def count_region_reuses():
+    """A list that gets an item whenever Dynamo stamps out a region's trace for a later call; None where this torch
+    reuses no trace."""
+    import torch._dynamo.variables as dynamo_variables
+    module = getattr(dynamo_variables, "invoke_subgraph", None)
+    if not hasattr(module, "stamp_out_subgraph"):
+        return None
+    reuses, stamp_out = [], module.stamp_out_subgraph
+    module.stamp_out_subgraph = lambda *args, **kwargs: (reuses.append(1), stamp_out(*args, **kwargs))[1]
+    return reuses
+
+
+def reused(reuses, since=0):
+    return None if reuses is None else len(reuses) - since
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
     ap.add_argument("--blocks", action="store_true", help='"compile_blocks_once": true')
     ap.add_argument("--freeze", action="store_true", help="the layers' q_proj weights frozen (as under LoRA)")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    ap.add_argument("--no-kv-cache", action="store_true",
+                    help="the call with labels passes use_cache=False, as gradient checkpointing sets it")
     args = ap.parse_args()
     ensure_dist_env()  # one process: rank 0 of 1
     import deepspeed
@@ -49,8 +84,8 @@ def main():
         return gm.forward
 
     stand_in_deepcompile(NoOpHandle(), compile_graph)
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    reuses = count_region_reuses()
+    config = FAMILIES[args.family](transformers, args.layers)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -79,15 +114,18 @@ def main():
     ids = torch.randint(0, 256, (2, 12))
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=args.stage == 3):
-        loss = engine.module(input_ids=ids, labels=ids).loss
+        cache = dict(use_cache=False) if args.no_kv_cache else {}
+        loss = engine.module(input_ids=ids, labels=ids, **cache).loss
         report["train"] = dict(zip(("region_calls", "region_graphs"), regions(graphs[-1])),
-                               loss=float(loss), eager_loss=float(reference(input_ids=ids, labels=ids).loss))
+                               loss=float(loss), eager_loss=float(reference(input_ids=ids, labels=ids).loss),
+                               reuses=reused(reuses))
         seen = len(graphs)
         tokens = engine.module.generate(ids[:1], max_new_tokens=6, do_sample=False, use_cache=True)
         report["generate"] = dict(graphs=len(graphs) - seen, region_calls=sum(regions(g)[0] for g in graphs[seen:]),
                                   tokens=tokens.tolist(),
                                   eager_tokens=reference.generate(ids[:1], max_new_tokens=6, do_sample=False,
-                                                                  use_cache=True).tolist())
+                                                                  use_cache=True).tolist(),
+                                  reuses=reused(reuses, since=report["train"]["reuses"]))
     print(PREFIX + json.dumps(report), flush=True)
 
 
