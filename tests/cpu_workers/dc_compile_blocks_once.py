@@ -1,4 +1,5 @@
-"""Worker for tests/test_deepcompile_compile_blocks_once.py: transformers' Llama (3 decoder layers) under a DeepCompile
+"""Worker for tests/test_deepcompile_compile_blocks_once.py and test_deepcompile_z3_blocks_compile_past_eight_layers.py:
+a small transformers model (Llama of 3 decoder layers unless --family and --layers say otherwise) under a DeepCompile
 engine, compiled with and without `"compile_blocks_once": true`. One process on CPU (gloo, DS_ACCELERATOR=cpu).
 
   python tests/cpu_workers/dc_compile_blocks_once.py --stage 3 [--blocks] [--freeze] [--layers 3] [--no-kv-cache]
@@ -32,11 +33,6 @@ FAMILIES = {
     "llama": lambda t, n: t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=n, **SMALL),
     "mixtral": lambda t, n: t.MixtralConfig(hidden_size=64, intermediate_size=64, num_local_experts=4,
                                             num_hidden_layers=n, **SMALL),
-    "qwen2_moe": lambda t, n: t.Qwen2MoeConfig(hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                                               shared_expert_intermediate_size=64, num_experts=4,
-                                               num_hidden_layers=n, **SMALL),
-    "gpt2": lambda t, n: t.GPT2Config(n_embd=64, n_layer=n, n_head=4, vocab_size=256, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0),
 }
 
 
