@@ -15,10 +15,14 @@ Dynamo's reuses of the region's trace, and that a block still copies, pickles an
 fork.60 with torch 2.14.1, Mixtral's, Qwen2-MoE's and GPT-2's later layers got no gradient either.
 """
 
+import os
+
 import pytest
 import torch
 
 import cpu_worker
+
+WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_workers")
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_region"),
                                 reason=f"torch {torch.__version__} has no torch.compiler.nested_compile_region")
@@ -26,9 +30,10 @@ pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "nested_compile_regi
 LAYERS = 4
 
 OWN_WEIGHTS = f"""
-    import copy, io, json
+    import copy, io, json, sys
     import torch, transformers
-    import torch._dynamo.variables as dynamo_variables
+    sys.path.insert(0, {WORKERS!r})
+    from dc_compile_blocks_once import count_region_reuses
     from deepspeed.compile.blocks import compile_blocks_once, repeated_blocks, restore_blocks
 
     config = {{config}}
@@ -40,11 +45,7 @@ OWN_WEIGHTS = f"""
     eager_grads = {{n: p.grad.clone() for n, p in model.named_parameters()}}
     model.zero_grad()
 
-    reuses = None  # torch versions whose Dynamo reuses a region's trace stamp it out here
-    reuse_module = getattr(dynamo_variables, "invoke_subgraph", None)
-    if hasattr(reuse_module, "stamp_out_subgraph"):
-        reuses, stamp_out = [], reuse_module.stamp_out_subgraph
-        reuse_module.stamp_out_subgraph = lambda *a, **k: (reuses.append(1), stamp_out(*a, **k))[1]
+    reuses = count_region_reuses()  # None where this torch's Dynamo reuses no region's trace
     layer_class = type(repeated_blocks(model)[0])
     blocks = compile_blocks_once(model)
     loss = torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids).loss
