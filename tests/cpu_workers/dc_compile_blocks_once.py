@@ -11,10 +11,13 @@ stand-in gathers nothing, so the calls run inside GatheredParameters. Reports (o
 with labels and for greedy generation with the KV cache, the nested compile regions the graphs call and how many
 graphs they have, the loss or tokens against the model run eagerly; or the error engine.compile() raised, and
 whether the layers' forward was left as it was. Where Dynamo can reuse a region's trace for the next call (torch >=
-2.14), each part also counts the calls that reused one (`reuses`; null where it cannot).
+2.14), each part also counts the calls that reused one (`reuses`; null where it cannot). The call with labels also
+counts the guards Dynamo built for objects it met under two names (`aliasing_guards`: all, and those met in a module's
+hook dicts).
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -54,6 +57,31 @@ def count_region_reuses():
     return reuses
 
 
+def record_aliasing_guards():
+    """A list that gets the two names of every object Dynamo guards to be met under two names (a guard it builds and
+    checks in Python); None where this torch has no such guard."""
+    from torch._dynamo.guards import GuardBuilder
+    duplicate_input = getattr(GuardBuilder, "DUPLICATE_INPUT", None)
+    if duplicate_input is None:
+        return None
+    pairs = []
+
+    @functools.wraps(duplicate_input)  # torch >= 2.14 reuses a region's trace only under guards it knows by name
+    def recording(self, guard, source_b):
+        pairs.append((guard.name, source_b.name))
+        return duplicate_input(self, guard, source_b)
+
+    GuardBuilder.DUPLICATE_INPUT = recording
+    return pairs
+
+
+def aliasing(pairs):
+    """The aliasing guards: how many, and how many of objects met in a module's hook dicts."""
+    if pairs is None:
+        return None
+    return {"all": len(pairs), "module_hooks": sum(any("_hooks" in name for name in pair) for pair in pairs)}
+
+
 def reused(reuses, since=0):
     return None if reuses is None else len(reuses) - since
 
@@ -81,6 +109,7 @@ def main():
 
     stand_in_deepcompile(NoOpHandle(), compile_graph)
     reuses = count_region_reuses()
+    aliased = record_aliasing_guards()
     config = FAMILIES[args.family](transformers, args.layers)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
@@ -114,7 +143,7 @@ def main():
         loss = engine.module(input_ids=ids, labels=ids, **cache).loss
         report["train"] = dict(zip(("region_calls", "region_graphs"), regions(graphs[-1])),
                                loss=float(loss), eager_loss=float(reference(input_ids=ids, labels=ids).loss),
-                               reuses=reused(reuses))
+                               reuses=reused(reuses), aliasing_guards=aliasing(aliased))
         seen = len(graphs)
         tokens = engine.module.generate(ids[:1], max_new_tokens=6, do_sample=False, use_cache=True)
         report["generate"] = dict(graphs=len(graphs) - seen, region_calls=sum(regions(g)[0] for g in graphs[seen:]),
