@@ -16,13 +16,16 @@ fp32, so that DeepCompile and eager ZeRO agree to rounding and a lost or doubled
 records how many graphs Dynamo traced and Inductor lowered in each optimizer step
 (test_deepcompile_lowers_only_the_last_cycle.py),
 and with --profile-last-step how many times the last step called each of DeepCompile's ops (`dc::...`, as the
-dispatcher records them for torch.profiler; test_deepcompile_z3_prefetches.py).
+dispatcher records them for torch.profiler; test_deepcompile_z3_prefetches.py). --blocks compiles with
+`compile_blocks_once` and counts DeepCompile's ops in the graphs handed to Inductor with the blocks
+(test_deepcompile_blocks_lower_no_deepcompile_op_on_gpu.py).
 DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile ZeRO-3's schedule:
 `recompile_only`, `prefetch`, `selective_gather` (each the WARMUP entry's extra pass).
 """
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import sys
@@ -49,9 +52,28 @@ VARIANTS = {
 }
 
 
-def ds_config(stage, grad_acc, deepcompile):
+def ds_config(stage, grad_acc, deepcompile, compile_options=None):
     return ds_configs.zero(stage, MICRO_BATCH, grad_acc, LR, optimizer="AdamW", deepcompile=deepcompile, bf16=False,
-                           stage3_param_persistence_threshold=0)
+                           compile_options=compile_options, stage3_param_persistence_threshold=0)
+
+
+class DeepCompileOpsLowered:
+    """DeepCompile's ops (`dc::...` nodes) in the graphs handed to Inductor's _compile_fx_inner that call nested compile
+    regions, summed."""
+
+    def __init__(self):
+        from torch._inductor import compile_fx
+        original = compile_fx._compile_fx_inner
+        self.count = 0
+
+        @functools.wraps(original)
+        def inner(gm, *args, **kwargs):
+            targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            if torch.ops.higher_order.invoke_subgraph in targets:
+                self.count += sum(getattr(t, "namespace", None) == "dc" for t in targets)
+            return original(gm, *args, **kwargs)
+
+        compile_fx._compile_fx_inner = inner
 
 
 def schedule(name):
@@ -87,6 +109,7 @@ def main(report):
     ap.add_argument("--model", default="llama", choices=sorted(zoo_models.ZOO))
     ap.add_argument("--deadline", type=float, default=400)
     ap.add_argument("--profile-last-step", action="store_true")
+    ap.add_argument("--blocks", action="store_true")
     args = ap.parse_args()
     stacks_at_deadline(args.deadline)
 
@@ -99,7 +122,8 @@ def main(report):
     torch.manual_seed(0)
     model = zoo_models.build(args.model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(args.stage, grad_acc, args.mode == "deepcompile"))
+                                           config=ds_config(args.stage, grad_acc, args.mode == "deepcompile",
+                                                            {"compile_blocks_once": True} if args.blocks else None))
     if args.mode == "deepcompile":
         kwargs = {}
         if args.stage == 3 and os.environ.get("DCGA_SCHEDULE"):
@@ -112,6 +136,7 @@ def main(report):
     # Graphs handed to Inductor, and graphs Dynamo traced, summed per optimizer step.
     lowered = compile_phases.InductorGraphs()
     traced = compile_phases.DynamoGraphs()
+    dc_ops_lowered = DeepCompileOpsLowered()
     for i in range(steps * grad_acc):
         batch = make_batch(args.model, i, length_of(i))
         last = i == steps * grad_acc - 1
@@ -127,6 +152,7 @@ def main(report):
             rec["grad_norms"].append(None if norm is None else float(norm))
             rec["inductor_graphs_by_step"].append(lowered.since_last())
             rec["dynamo_graphs_by_step"].append(traced.since_last())
+            rec["dc_ops_lowered"] = dc_ops_lowered.count
             rec["kept_gathered"] = sum(
                 int(m.group(1)) for line in selective_gather.lines
                 for m in [re.search(r"selective_gather selected_count=(\d+)", line)] if m)
