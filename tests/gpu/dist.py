@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 try:
     # The suite's warm interpreter where the suite started one (tests/warm_python.py), else this interpreter.
@@ -275,6 +275,18 @@ class DistJob:
                           results=results,
                           command=self.command,
                           stacks=stacks)
+
+
+def wait_for_all(started: Dict[Any, DistJob], name: Callable[[Any], str]) -> Dict[Any, DistResult]:
+    """Wait for every job of `started` (key: a started job), keep each one's report under `name(key)`
+    (DistResult.save), then fail with the first failed job's message: every job has ended by then and left its
+    report. Returns key: result."""
+    done = {key: job.wait() for key, job in started.items()}
+    for key, res in done.items():
+        res.save(name(key))
+    for res in done.values():
+        assert res.ok, res.failure_message()
+    return done
 
 
 def run_distributed(script: str,

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from dist import DistJob, skip_reason
+from dist import DistJob, skip_reason, wait_for_all
 
 TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "480"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_grad_accumulation.py")
@@ -45,13 +45,8 @@ def runs():
                                          "TORCHINDUCTOR_COMPILE_THREADS": "1"
                                      }).start()
                for case, (model, variant) in CASES.items() for mode in ("eager", "deepcompile")}
-    out = {}
-    for (case, mode), job in started.items():
-        res = job.wait()
-        res.save(f"dc_blocks_lower_no_deepcompile_op_{case}_{mode}")
-        assert res.ok, res.failure_message()
-        out[case, mode] = res.results[0]["run"]
-    return out
+    done = wait_for_all(started, lambda key: f"dc_blocks_lower_no_deepcompile_op_{key[0]}_{key[1]}")
+    return {key: res.results[0]["run"] for key, res in done.items()}
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -29,7 +29,7 @@ import os
 
 import pytest
 
-from dist import DistJob, skip_reason
+from dist import DistJob, skip_reason, wait_for_all
 
 TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "480"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_grad_accumulation.py")
@@ -63,13 +63,8 @@ def runs():
                       }).start()
         for name, (model, stage, mode, variant) in JOBS.items()
     }
-    out = {}
-    for name, job in started.items():
-        res = job.wait()
-        res.save(f"dc_lowers_only_the_last_cycle_{name}")
-        assert res.ok, res.failure_message()
-        out[name] = res.results[0]["run"]
-    return out
+    done = wait_for_all(started, lambda name: f"dc_lowers_only_the_last_cycle_{name}")
+    return {name: res.results[0]["run"] for name, res in done.items()}
 
 
 def test_zero3_lowers_no_graph_before_warmup_and_keeps_eager_values(runs):

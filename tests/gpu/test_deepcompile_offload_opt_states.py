@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from dist import DistJob, skip_reason
+from dist import DistJob, skip_reason, wait_for_all
 
 TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "480"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_offload_opt_states.py")
@@ -41,13 +41,8 @@ def runs():
                 env["DS_DC_OFFLOAD_OPT_BUDGET_GB"] = "0.000001"  # upstream's: every state leaves the GPU, fp32 too
             started[model, run] = DistJob(WORKER, ["--model", model, "--run", run], nprocs=1, timeout=TIMEOUT_S,
                                           env=env).start()
-    out = {}
-    for (model, run), job in started.items():
-        res = job.wait()
-        res.save(f"dc_offload_opt_states_{model}_{run}")
-        assert res.ok, res.failure_message()
-        out[model, run] = res.results[0]["run"]
-    return out
+    done = wait_for_all(started, lambda key: f"dc_offload_opt_states_{key[0]}_{key[1]}")
+    return {key: res.results[0]["run"] for key, res in done.items()}
 
 
 def _close(a, b):

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from dist import DistJob, skip_reason
+from dist import DistJob, skip_reason, wait_for_all
 
 TIMEOUT_S = float(os.environ.get("GPU_TEST_TIMEOUT_S", "300"))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "dc_reduce_ops.py")
@@ -35,13 +35,8 @@ def run(nprocs, stage=1):
         pytest.skip(f"GPU test: {reason}")
     jobs = {n: DistJob(WORKER, ["--layers", n, "--stage", stage], nprocs=nprocs, timeout=TIMEOUT_S,
                        env={"TORCHINDUCTOR_COMPILE_THREADS": "1"}).start() for n in LAYERS}
-    out = {}
-    for n, job in jobs.items():
-        res = job.wait()
-        res.save(f"dc_z{stage}_bucket_reduction_ws{nprocs}_layers{n}")
-        assert res.ok, res.failure_message()
-        out[n] = res.results
-    return out
+    done = wait_for_all(jobs, lambda n: f"dc_z{stage}_bucket_reduction_ws{nprocs}_layers{n}")
+    return {n: res.results for n, res in done.items()}
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
