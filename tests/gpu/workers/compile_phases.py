@@ -103,3 +103,23 @@ class DynamoGraphs(InductorGraphs):
     """How many graphs Dynamo traced and handed to its backend since the previous `since_last()`."""
 
     PHASE = "backend (call_user_compiler)"
+
+
+class DeepCompileOpsLowered:
+    """DeepCompile's ops (`dc::...` nodes) in the graphs handed to Inductor that call nested compile regions, summed
+    in `count` (with compile_blocks_once those ops run as traced, outside Inductor)."""
+
+    def __init__(self):
+        import torch
+
+        owner, attr, original = resolve(*ENTRY_POINTS[InductorGraphs.PHASE])
+        self.count = 0
+
+        @functools.wraps(original)
+        def counting(gm, *args, **kwargs):
+            targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            if torch.ops.higher_order.invoke_subgraph in targets:
+                self.count += sum(getattr(t, "namespace", None) == "dc" for t in targets)
+            return original(gm, *args, **kwargs)
+
+        setattr(owner, attr, counting)

@@ -25,7 +25,6 @@ DCGA_SCHEDULE (diagnosis only; the test does not set it) replaces DeepCompile Ze
 
 import argparse
 import contextlib
-import functools
 import os
 import re
 import sys
@@ -55,25 +54,6 @@ VARIANTS = {
 def ds_config(stage, grad_acc, deepcompile, compile_options=None):
     return ds_configs.zero(stage, MICRO_BATCH, grad_acc, LR, optimizer="AdamW", deepcompile=deepcompile, bf16=False,
                            compile_options=compile_options, stage3_param_persistence_threshold=0)
-
-
-class DeepCompileOpsLowered:
-    """DeepCompile's ops (`dc::...` nodes) in the graphs handed to Inductor's _compile_fx_inner that call nested compile
-    regions, summed."""
-
-    def __init__(self):
-        from torch._inductor import compile_fx
-        original = compile_fx._compile_fx_inner
-        self.count = 0
-
-        @functools.wraps(original)
-        def inner(gm, *args, **kwargs):
-            targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-            if torch.ops.higher_order.invoke_subgraph in targets:
-                self.count += sum(getattr(t, "namespace", None) == "dc" for t in targets)
-            return original(gm, *args, **kwargs)
-
-        compile_fx._compile_fx_inner = inner
 
 
 def schedule(name):
@@ -136,7 +116,7 @@ def main(report):
     # Graphs handed to Inductor, and graphs Dynamo traced, summed per optimizer step.
     lowered = compile_phases.InductorGraphs()
     traced = compile_phases.DynamoGraphs()
-    dc_ops_lowered = DeepCompileOpsLowered()
+    dc_ops_lowered = compile_phases.DeepCompileOpsLowered()
     for i in range(steps * grad_acc):
         batch = make_batch(args.model, i, length_of(i))
         last = i == steps * grad_acc - 1
