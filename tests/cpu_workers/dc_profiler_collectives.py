@@ -57,9 +57,25 @@ def failing_before_a_gather(x, w):
     return (torch.relu(fails_on_rank1(x * 2)) @ w, )
 
 
+def with_local_dc_ops(gm):
+    """Each layer's output waited for (wait_allgather) and, after its use, released (release_param), as DeepCompile's
+    ZeRO-3 pass follows a gathered parameter."""
+    graph = gm.graph
+    for i, relu in enumerate([n for n in graph.nodes if n.target is torch.relu]):
+        with graph.inserting_after(relu):
+            waited = graph.call_function(torch.ops.dc.wait_allgather.default, (relu, 0, i))
+        relu.replace_all_uses_with(waited, delete_user_cb=lambda user: user is not waited)
+        user = next(iter(waited.users))
+        with graph.inserting_before(user) if user.op == "output" else graph.inserting_after(user):
+            graph.call_function(torch.ops.dc.release_param.default, (waited, 0, i, 1))
+    gm.recompile()
+
+
 def main(report):
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dc-local-ops", action="store_true", help="each layer's output waited for and released by "
+                    "DeepCompile's ops, which take part in no collective while profiled")
     ap.add_argument("--fail-on-rank1", action="store_true")
     ap.add_argument("--cache-root")
     ap.add_argument("--forget-on-rank1", action="store_true")
@@ -83,6 +99,9 @@ def main(report):
     dc = torch.library.Library("dc", "FRAGMENT")
     dc.define("allgather_param(Tensor a, int graph_id, int id, ScalarType? dtype=None) -> Tensor")
     dc.define("release_param(Tensor a, int graph_id, int id, int n_users) -> Tensor")
+    dc.define("wait_allgather(Tensor a, int graph_id, int id) -> Tensor")
+    dc.impl("release_param", lambda a, graph_id, id, n_users: a.clone(), "CPU")
+    dc.impl("wait_allgather", lambda a, graph_id, id: a.clone(), "CPU")
 
     all_reduce, counted = dist.all_reduce, []
 
@@ -110,6 +129,8 @@ def main(report):
             report[name] = dict(gathers=param.gathers, incomplete=graph_profile.is_profile_incomplete(gm.graph))
             continue
         gm = torch.fx.symbolic_trace(Chain(args.layers))
+        if args.dc_local_ops:
+            with_local_dc_ops(gm)
         counted.clear()
         ran.clear()
         run_profiler(getattr(graph_profile, name)(gm), x)
