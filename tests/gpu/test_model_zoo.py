@@ -60,6 +60,7 @@ RESUME_DEADLINE_S = float(os.environ.get("ZOO_RESUME_DEADLINE_S", str(CELL_DEADL
 ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Allocated memory before the optimizer step may move by this much once warm (allocator rounding of small tensors).
 MEM_SLACK_B = int(os.environ.get("ZOO_MEM_SLACK_B", str(64 * 1024)))
+BLOCKS_ONCE = bool(json.loads(os.environ.get("ZOO_COMPILE") or "{}").get("compile_blocks_once"))
 # A resumed engine runs the same compiled code on the same state: its losses match to bf16 rounding.
 RESUME_RTOL = 1e-3
 RESUME_ALL_STAGES = "llama"
@@ -262,6 +263,8 @@ def test_deepcompile_runs_the_user_loop_like_eager(zoo, model, stage):
     for rank, (eager, dc) in enumerate(zip(eagers, dcs)):
         at = f"rank {rank}: " if len(dcs) > 1 else ""
         assert dc["deepcompile_active"], "DeepCompile was not active"
+        if BLOCKS_ONCE:
+            assert dc.get("region_blocks"), f"{at}compile_blocks_once made no block a compile region"
         _assert_close(at + "training losses", dc["losses"], eager["losses"], tol)
         _assert_close(at + "evaluation losses", dc["eval_losses"], eager["eval_losses"], tol)
         _assert_close(at + "inference logits (mean |logit|)", [dc["eval_logits_mean_abs"]],

@@ -269,8 +269,8 @@ def run_cell(args, stage, device, report, counters, reasons):
     else:
         engine = new_engine(args.model, stage, args.mode, seed=0)
         rec["deepcompile_active"] = bool(getattr(engine, "is_deepcompile_active", lambda: False)())
-        # modules whose forward compile_blocks_once made a nested compile region (ZOO_COMPILE)
-        rec["region_blocks"] = sum("forward" in vars(m) for m in engine.module.modules())
+        # blocks whose class compile_blocks_once made one with a nested compile region for forward (ZOO_COMPILE)
+        rec["region_blocks"] = sum(hasattr(type(m), "compiled_once_from") for m in engine.module.modules())
         phase_done("engine")
         train_steps(engine, steps["train"], device, rec, counters, report, "train")
         phase_done("train")
