@@ -11,7 +11,9 @@ called for the graphs calling the regions; Inductor gets each region's graph onc
 input needs no gradient), forward and backward, at the first size and at a changing one; the loss's log-softmax is
 fused, after a head whose weight comes from an op standing in for DeepCompile's gather, and the embedding's gradient
 is filled in place, its `full` lowered with its index_put past an op standing in for DeepCompile's release; the graphs
-calling the regions clear the list of their arguments, which frees the backward's saved activations as it goes. With
+calling the regions clear the list of their arguments, which frees the backward's saved activations as it goes; a run
+of ops no larger than the blocks' values is not lowered, a compile of its own (patch
+deepcompile-compile-blocks-once-lowers-only-runs-larger-than-a-block). With
 Inductor padding the rows of the buffers it lays out (as it does on a GPU), the losses and gradients are eager's: each
 graph's outputs keep their traced strides, which the next region and the backward were compiled for. A graph without
 regions is lowered whole, as before. The GPU test is
@@ -83,10 +85,13 @@ CODE = """
         def __init__(self, regions):
             super().__init__()
             self.blocks = nn.ModuleList((Region if regions else Block)() for _ in range(4))
-            self.head = nn.Linear(24, 5)
-            self.embed = nn.Embedding(5, 24)
+            # more classes than a block has weights: the loss's values are larger than the blocks'
+            self.head = nn.Linear(24, 256)
+            self.embed = nn.Embedding(256, 24)
 
         def forward(self, x, y):
+            # a run of three ops no larger than the blocks' values (as a model's rotary tables are)
+            x = torch.tanh(x) * 2.0 + 1.0
             for block in self.blocks:
                 x = block(x)
             # scaled: an op after the embedding's backward, as the conversion of a bf16 table's fp32 gradient is
@@ -131,7 +136,7 @@ CODE = """
 
     def batches():
         g = torch.Generator().manual_seed(1)
-        return [(torch.randn(n, 24, generator=g), torch.randint(0, 5, (n,), generator=g)) for n in (8, 8, 5, 11)]
+        return [(torch.randn(n, 24, generator=g), torch.randint(0, 256, (n,), generator=g)) for n in (8, 8, 5, 11)]
 
     def train(model, compiled):
         losses = []
@@ -172,6 +177,9 @@ CODE = """
             # the embedding's gradient: its `full` lowered with the index_put filling it (in place), past the release
             # standing in between them
             assert sum({"aten.full.default", "aten.index_put.default"} <= ops for ops in lowered) == 2, lowered
+            # a run no larger than the blocks' values runs as traced: a compile of its own would cost more than it saves
+            # (patch deepcompile-compile-blocks-once-lowers-only-runs-larger-than-a-block)
+            assert not any("aten.tanh.default" in ops for ops in lowered), lowered
             # a graph calling the regions frees its arguments (the backward's saved activations) as it goes: it
             # clears the list AOTAutograd calls it with
             assert args_kept and not any(args_kept), args_kept
