@@ -204,3 +204,33 @@ def test_a_hung_cell_keeps_every_ranks_stacks(two_ranks, tmp_path):
     # and every launcher's failure message shows them, for the tests that print only that
     message = res.failure_message()
     assert "rank 0's stacks" in message and "rank 1's stacks" in message, message[-2000:]
+
+
+def test_zoo_cell_keeps_the_backward_compiles_aot_autograd_dropped():
+    """The zoo fails a DeepCompile cell whose backward AOTAutograd compiled ahead of its run and dropped (it logs a
+    warning and compiles again at the first backward). The cell keeps those from AOTAutograd's log, where
+    torch._logging stops its records: here a backward compiler that fails under torch.compile with dynamic shapes."""
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(zoo_cell.__file__)!r})
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from zoo_cell import Counters
+
+counters = Counters()
+counters.capture_recompile_reasons([])  # resets torch._logging, as the cell does after counting starts
+
+
+def failing(gm, inputs):
+    raise RuntimeError("the backward compiler failed")
+
+
+f = torch.compile(lambda x: (x.reshape(x.shape[0], -1) * x.shape[0]).sin().sum(), dynamic=True,
+                  backend=aot_autograd(fw_compiler=lambda gm, inputs: gm.forward, bw_compiler=failing))
+f(torch.randn(5, 3, requires_grad=True))
+assert counters.dropped_backward_compiles == ["RuntimeError: the backward compiler failed"], \\
+    counters.dropped_backward_compiles
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

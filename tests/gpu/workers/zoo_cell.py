@@ -26,7 +26,7 @@ load_checkpoint, then the `after` steps.
 
 Recorded per micro-batch: loss, sequence length, Dynamo graphs compiled so far and DeepCompile profiling runs so far;
 allocated memory before each optimizer step; the global gradient norm of each step (before clipping); ZeRO-3
-parameters left gathered after each step; seconds per phase.
+parameters left gathered after each step; seconds per phase; the errors of the backward compiles AOTAutograd dropped.
 The report holds one record per stage under "cells" (several stages: eager references, which compile nothing, run
 in one process to save its start-up). The rank writes its JSON report to $DIST_RESULT_DIR/rank<RANK>.json after
 every phase, so a cell that dies leaves its progress. A deadline prints every thread's stack and exits
@@ -135,6 +135,8 @@ class Counters:
 
         self.dynamo_utils = dynamo_utils
         self.profiling_runs = 0
+        self.dropped_backward_compiles = []
+        self._count_dropped_backward_compiles()
         try:
             import deepspeed.compile.backend as dc_backend
         except ImportError:
@@ -146,6 +148,24 @@ class Counters:
             return original(*args, **kwargs)
 
         dc_backend.run_opt_passes = counted
+
+    def _count_dropped_backward_compiles(self):
+        """AOTAutograd compiles a backward that saves symbolic sizes before its first run; where the backend fails
+        there it logs a warning, drops that compile and compiles the backward again at its first run. Keep the
+        errors (type and message)."""
+        import logging
+
+        dropped = self.dropped_backward_compiles
+
+        class Keep(logging.Handler):
+
+            def emit(self, record):
+                if "failed to eagerly compile backwards" in record.getMessage():
+                    err = record.exc_info[1] if record.exc_info else None
+                    dropped.append(f"{type(err).__name__}: {err}"[:300] if err else record.getMessage())
+
+        # where torch._logging stops the propagation of AOTAutograd's records
+        logging.getLogger("torch._functorch._aot_autograd").addHandler(Keep())
 
     def capture_recompile_reasons(self, into, limit=12):
         """Keep the first `limit` reasons Dynamo logs for recompiling (TORCH_LOGS=recompiles)."""
@@ -247,7 +267,7 @@ def run_cell(args, stage, device, report, counters, reasons):
         model=args.model, stage=stage, reached="start", losses=[], lengths=[], grad_norms=[], compiles=[],
         mem_before_step=[],
         gathered_after_step=[], eval_losses=[], eval_compiles=[], recompile_reasons=reasons, phase_s={},
-        eval_no_grad_batches=EVAL_BATCHES)
+        eval_no_grad_batches=EVAL_BATCHES, dropped_backward_compiles=counters.dropped_backward_compiles)
     steps = plan()
     start = phase_start = time.time()
 
