@@ -10,51 +10,48 @@ attributes, which say what each reads and changes), with a counting memory profi
 one rank on gloo."""
 
 from test_deepcompile_graph_ids_survive_a_restart import free_port
-from test_deepcompile_prefetch_survives_dead_code_elimination import run
+from test_deepcompile_prefetch_survives_dead_code_elimination import ONE_GLOO_RANK, run
 
 
 def test_memory_is_profiled_only_where_a_later_pass_reads_it():
-    run(f"""
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT="{free_port()}")
-        deepspeed.init_distributed(dist_backend="gloo")
-        import deepspeed.compile.backend as backend
-        from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
-        from deepspeed.compile.profilers import ProfilingResult
+    run(ONE_GLOO_RANK.format(port=free_port()) + """
+    import deepspeed.compile.backend as backend
+    from deepspeed.compile.passes import prefetch, selective_gather, zero3_compile
+    from deepspeed.compile.profilers import ProfilingResult
 
-        runs = []
+    runs = []
 
-        class CountingMemoryProfiler:
-            def __init__(self, gm, debug_log=False, process_group=None):
-                runs.append(gm)
-                self.mem_record, self.profile_complete = [], True
+    class CountingMemoryProfiler:
+        def __init__(self, gm, debug_log=False, process_group=None):
+            runs.append(gm)
+            self.mem_record, self.profile_complete = [], True
 
-            def run(self, *args):
-                return None
+        def run(self, *args):
+            return None
 
-        backend.MemoryProfilingInterpreter = CountingMemoryProfiler
-        # The ranks' vote on a profile's completeness, a collective on the accelerator: one rank here.
-        backend._sync_memory_profile_complete = lambda complete, process_group=None: complete
+    backend.MemoryProfilingInterpreter = CountingMemoryProfiler
+    # The ranks' vote on a profile's completeness, a collective on the accelerator: one rank here.
+    backend._sync_memory_profile_complete = lambda complete, process_group=None: complete
 
-        def stand_in(real):
-            def rewrite(gm, *args):
-                return gm
-            rewrite.__dict__.update(real.__dict__)
-            return rewrite
+    def stand_in(real):
+        def rewrite(gm, *args):
+            return gm
+        rewrite.__dict__.update(real.__dict__)
+        return rewrite
 
-        gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-        # init_z3's default schedule: step 0, then WARMUP.
-        schedule = {{"step 0": [zero3_compile.add_z3_gather_release],
-                     "WARMUP": [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch,
-                                selective_gather.selective_gather]}}
-        counts = {{}}
-        for cycle, passes in schedule.items():
-            runs.clear()
-            for bwd in (False, True):
-                backend.run_opt_passes([stand_in(p) for p in passes], gm, 1, [(1, True)], {{1: ProfilingResult()}},
-                                       lambda: (torch.randn(2, 2), ), 0.0, {{}}, bwd)
-            counts[cycle] = len(runs)
-        # step 0: nothing reads a memory profile; WARMUP: after add_z3_gather_release (for prefetch) and after
-        # prefetch (for selective_gather), of the forward and the backward graph.
-        assert counts == {{"step 0": 0, "WARMUP": 4}}, f"memory profiles taken: {{counts}}"
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    # init_z3's default schedule: step 0, then WARMUP.
+    schedule = {"step 0": [zero3_compile.add_z3_gather_release],
+                 "WARMUP": [zero3_compile.add_z3_gather_release, prefetch.schedule_prefetch,
+                            selective_gather.selective_gather]}
+    counts = {}
+    for cycle, passes in schedule.items():
+        runs.clear()
+        for bwd in (False, True):
+            backend.run_opt_passes([stand_in(p) for p in passes], gm, 1, [(1, True)], {1: ProfilingResult()},
+                                   lambda: (torch.randn(2, 2), ), 0.0, {}, bwd)
+        counts[cycle] = len(runs)
+    # step 0: nothing reads a memory profile; WARMUP: after add_z3_gather_release (for prefetch) and after
+    # prefetch (for selective_gather), of the forward and the backward graph.
+    assert counts == {"step 0": 0, "WARMUP": 4}, f"memory profiles taken: {counts}"
     """)

@@ -34,11 +34,15 @@ DEFINE_OPS = """
         lib.define(s)
 """
 
-# After DEFINE_OPS: DeepCompile's backend module in a process of one gloo rank, its native handle stood in for, the
-# schedule's one entry launched. Formatted with the rank's port (free_port()).
-ONE_RANK_BACKEND = """
+# After DEFINE_OPS: a process of one gloo rank. Formatted with the rank's port (free_port()).
+ONE_GLOO_RANK = """
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
     deepspeed.init_distributed(dist_backend="gloo")
+"""
+
+# After DEFINE_OPS: DeepCompile's backend module in a process of one gloo rank, its native handle stood in for, the
+# schedule's one entry launched. Formatted with the rank's port (free_port()).
+ONE_RANK_BACKEND = ONE_GLOO_RANK + """
     import deepspeed.compile.backend as backend
     from deepspeed.compile.config import CompileConfig
 

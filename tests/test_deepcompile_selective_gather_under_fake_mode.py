@@ -10,34 +10,31 @@ Here selective_gather runs as in that compile, inside a FakeTensorMode, at one r
 complete profile and no parameter to keep, on the CPU."""
 
 from test_deepcompile_graph_ids_survive_a_restart import free_port
-from test_deepcompile_prefetch_survives_dead_code_elimination import run
+from test_deepcompile_prefetch_survives_dead_code_elimination import ONE_GLOO_RANK, run
 
 
 def test_selective_gather_reduces_real_memory_figures_inside_a_fake_mode():
-    run(f"""
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT="{free_port()}")
-        deepspeed.init_distributed(dist_backend="gloo")
-        import deepspeed.comm as dist
-        from deepspeed.accelerator import get_accelerator
-        from deepspeed.compile.passes import selective_gather
-        from deepspeed.compile.profilers import ProfilingResult
-        from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+    run(ONE_GLOO_RANK.format(port=free_port()) + """
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.compile.passes import selective_gather
+    from deepspeed.compile.profilers import ProfilingResult
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-        reduced = []
-        all_reduce = dist.all_reduce
+    reduced = []
+    all_reduce = dist.all_reduce
 
-        def recording(t, *args, **kwargs):
-            reduced.append((is_fake(t), t.device.type))
-            return all_reduce(t, *args, **kwargs)
+    def recording(t, *args, **kwargs):
+        reduced.append((is_fake(t), t.device.type))
+        return all_reduce(t, *args, **kwargs)
 
-        dist.all_reduce = recording
-        # The CPU accelerator names its device by LOCAL_RANK, a string torch.device reads as a device type.
-        get_accelerator().current_device = lambda: "cpu"
-        gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-        with FakeTensorMode():
-            out = selective_gather.selective_gather(gm, 1, [(1, True)], {{1: ProfilingResult(fwd_graph=gm.graph)}},
-                                                    None, 0.0, {{}}, True)
-        assert out is gm
-        assert reduced == [(False, "cpu")], f"memory figures reduced in (fake, device): {{reduced}}"
+    dist.all_reduce = recording
+    # The CPU accelerator names its device by LOCAL_RANK, a string torch.device reads as a device type.
+    get_accelerator().current_device = lambda: "cpu"
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with FakeTensorMode():
+        out = selective_gather.selective_gather(gm, 1, [(1, True)], {1: ProfilingResult(fwd_graph=gm.graph)},
+                                                None, 0.0, {}, True)
+    assert out is gm
+    assert reduced == [(False, "cpu")], f"memory figures reduced in (fake, device): {reduced}"
     """)
