@@ -86,6 +86,21 @@ def reused(reuses, since=0):
     return None if reuses is None else len(reuses) - since
 
 
+def start_deepcompile_running_graphs_as_traced():
+    """This process as rank 0 of 1 on gloo, DeepCompile's backend stood in for by one that keeps each graph Dynamo
+    hands it and runs it as traced. Returns that list of graphs and the region reuse counter (count_region_reuses)."""
+    ensure_dist_env()  # one process: rank 0 of 1
+    init_distributed("gloo")
+    graphs = []
+
+    def compile_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    stand_in_deepcompile(NoOpHandle(), compile_graph)
+    return graphs, count_region_reuses()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True, choices=[1, 2, 3])
@@ -96,19 +111,10 @@ def main():
     ap.add_argument("--no-kv-cache", action="store_true",
                     help="the call with labels passes use_cache=False, as gradient checkpointing sets it")
     args = ap.parse_args()
-    ensure_dist_env()  # one process: rank 0 of 1
     import deepspeed
     import transformers
 
-    init_distributed("gloo")
-    graphs = []
-
-    def compile_graph(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    stand_in_deepcompile(NoOpHandle(), compile_graph)
-    reuses = count_region_reuses()
+    graphs, reuses = start_deepcompile_running_graphs_as_traced()
     aliased = record_aliasing_guards()
     config = FAMILIES[args.family](transformers, args.layers)
     torch.manual_seed(0)
