@@ -26,6 +26,7 @@ def run(*args, timeout=600):
 @pytest.mark.parametrize("args,says", [
     (["--python", "no-label"], "expected LABEL=PYTHON"),
     (["--python", "a=/no/such/python"], "is not an executable interpreter"),
+    (["--python", f"../up={sys.executable}"], "a label is letters, digits"),
     (["--python", f"a={sys.executable}", "--python", f"a={sys.executable}"], "a label of its own"),
     (["--layers", "eight"], "expected depths like 8,32"),
     (["--layers", "0"], "depths of at least 1"),
