@@ -3,13 +3,14 @@ Llama under DeepCompile ZeRO-3 with `"compile_blocks_once": true`, whose seconds
 backend is stood in for by one that runs each graph as traced (tests/cpu_workers/dc_stand_in.py), so no AOTAutograd,
 pass or Inductor time is in it. The width is small; Dynamo's work depends on the node count, which the depth sets.
 
-  python tools/dynamo_first_trace.py --layers 32
+  python tools/dynamo_first_trace.py --layers 32 [--deadline-s 900]
 
 Prints one line, TRACE_REPORT {"torch", "transformers", "deepspeed", "layers", "first_s", "reuses", "region_calls"}:
 reuses counts the layers whose region reused the first layer's trace (torch >= 2.14), null where this torch cannot
 reuse one.
 """
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -23,7 +24,10 @@ PREFIX = "TRACE_REPORT "
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, required=True)
+    ap.add_argument("--deadline-s", type=float, help="past it, print every thread's stack and exit")
     args = ap.parse_args()
+    if args.deadline_s:
+        faulthandler.dump_traceback_later(args.deadline_s, exit=True)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch
     import deepspeed
