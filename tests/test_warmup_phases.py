@@ -114,6 +114,36 @@ def test_a_warm_up_cut_short_keeps_what_it_measured(clock, monkeypatch):
     assert step["unfinished"] and step["phases"]["dc_profiling"] == 30.0 and step["wall_s"] == 30.0
 
 
+def test_profiler_nodes_and_votes_are_counted_apart_from_the_phases(clock):
+    """What DeepCompile's profiling is made of: the nodes timed by op, those run once, the votes."""
+    clock, t = clock
+
+    class Node:
+        def __init__(self, target):
+            self.target = target
+
+    def profile_node(self, n, args, kwargs, cache_key, cache_hit):
+        t.now += 0.5 if cache_hit else 3.0
+
+    profile_node = clock.counted("node", profile_node)
+    vote = clock.counted("vote", lambda *args, **kwargs: setattr(t, "now", t.now + 0.25))
+    mm, region = Node("aten.mm.default"), Node("invoke_subgraph")
+    profile = clock.timed("dc_profiling", lambda: [vote(), profile_node(None, mm, (), {}, "k", False), vote(),
+                                                   profile_node(None, mm, (), {}, "k", True),
+                                                   profile_node(None, region, (), {}, "j", False)])
+    clock.begin(0)
+    profile()
+    clock.end()
+    clock.begin(1)
+    vote()
+    clock.end()
+    assert clock.steps[0]["profiler"] == {"vote": [2, 0.5], "timed aten.mm.default": [1, 3.0], "reused": [1, 0.5],
+                                          "timed invoke_subgraph": [1, 3.0]}
+    assert clock.steps[0]["phases"] == {"dc_profiling": 7.0, "other": 0.0}  # counted, not phases of their own
+    assert warmup_phases.profiler_totals(clock.steps)["vote"] == [3, 0.75]
+    assert warmup_phases.profiler_totals([{"step": 0, "phases": {}}]) == {}  # records made before the counts
+
+
 def test_every_phase_a_target_counts_for_has_a_column():
     assert {phase for phase, _, _ in warmup_phases.TARGETS} | {"other"} == set(warmup_phases.NAMES)
 
@@ -123,7 +153,7 @@ def test_every_target_exists_in_this_torch_and_deepspeed():
     pytest.importorskip("deepspeed")
     clock = warmup_phases.PhaseClock()
     wrapped = []
-    for phase, module, path in warmup_phases.TARGETS:
+    for phase, module, path in warmup_phases.TARGETS + warmup_phases.PROFILER_TARGETS:
         wrapped.append(warmup_phases.resolve(module, path))
     try:
         assert warmup_phases.install(clock) == []
@@ -177,3 +207,27 @@ def test_the_table_splits_each_warm_up_and_marks_one_cut_short(tmp_path):
             "15.0 | 45.0 | - | - |") in table
     assert ("| warmup-8b | fsdp2 | - | 32 | 100.0 | 100.0 | 20.0 | 30.0 | 40.0 | 0.0 | 0.0 | 0.0 | 0.0 | 10.0 | 0.0 | "
             "FX 16 miss, AOT 8 bypass | - |") in table
+
+
+def test_the_profiler_table_says_what_the_profiling_timed_and_how_often_it_voted(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from test_bench_tool import _cli
+    cli = _cli()
+    steps = [{"step": 0, "wall_s": 10.0, "phases": {"other": 10.0}},
+             {"step": 1, "wall_s": 9.0, "phases": {"dc_profiling": 8.0, "other": 1.0},
+              "profiler": {"timed invoke_subgraph": [2, 0.8], "timed aten.mm.default": [4, 0.25],
+                           "timed aten.view.default": [12, 0.01], "timed getitem": [28, 0.03],
+                           "reused": [1482, 0.74], "vote": [4154, 1.21]}}]
+    rows = [{"set": "blocks-8b-16l", "subject": "dc-z3-blocks", "site": "fork", "deepspeed": "x", "layers": 16,
+             "warmup_phases": steps, "blocks": [{"step_s": [1.0]}], "flops_per_step": 1e12, "tokens_per_step": 10,
+             "first_step_s": 10.0},
+             {"set": "blocks-8b-16l", "subject": "fsdp2", "site": "-", "layers": 16, "warmup_phases": steps[:1],
+              "blocks": [{"step_s": [1.0]}], "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 10.0}]
+    data = {"device": "d", "gpus": [1], "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
+            "steps": 1, "warmup": 1, "rows": [cli.summarize(r, 100.0) for r in rows]}
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    table = (tmp_path / "bench.md").read_text()
+    assert ("| blocks-8b-16l | dc-z3-blocks | x | 46 in 1.09 s | invoke_subgraph 2 in 0.80 s, aten.mm.default 4 in "
+            "0.25 s, getitem 28 in 0.03 s | 1482 in 0.74 s | 4154 in 1.21 s |") in table
+    assert "| blocks-8b-16l | fsdp2 |" not in table.split("Where DeepCompile's profiling went")[1]

@@ -8,6 +8,8 @@ is named in `missing` rather than failing the run. One clock per process; the ph
 autograd's device thread count too (the thread that started backward() is waiting then).
 Python's garbage collections are counted apart, per generation with their seconds (gc.callbacks): a collection runs
 inside whichever phase allocated, so its time is a part of that phase's, not a phase of its own.
+Within DeepCompile's profiling, the nodes its operator profiler timed and the profilers' votes are counted apart
+(PROFILER_TARGETS, PhaseClock.count), with their inclusive seconds.
 """
 
 import functools
@@ -28,6 +30,14 @@ TARGETS = (
     ("dc_profiling", "deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter.run"),
     ("dc_memory_profiling", "deepspeed.compile.profilers.graph_profile", "MemoryProfilingInterpreter.run"),
     ("rank_wait", "deepspeed.compile.backend", "wait_for_every_rank_to_compile"),
+)
+# Within DeepCompile's profiling, what its cost is mostly made of, counted with inclusive seconds (not phases): each
+# node the operator profiler ran, by whether it timed it (15 runs and a device synchronization) or had timed its kind
+# before (one run), and each vote the profilers took before a node that may communicate (an all-reduce and a device
+# synchronization). Absent from releases before the fork's profilers had them.
+PROFILER_TARGETS = (
+    ("node", "deepspeed.compile.profilers.graph_profile", "ProfilingInterpreter._profile_node"),
+    ("vote", "deepspeed.compile.profilers.graph_profile", "_vote"),
 )
 # Every phase and its name in tables, in the order tables show them.
 NAMES = {"dynamo": "Dynamo", "aot": "AOT", "inductor": "Inductor", "dc_profiling": "DC profiling",
@@ -61,7 +71,8 @@ class PhaseClock:
         step["gc"][str(info["generation"])] = [count + 1, seconds + time.perf_counter() - start]
 
     def begin(self, step):
-        self._step = {"step": step, "wall_s": 0.0, "phases": {}, "calls": {}, "gc": {}, "_start": time.perf_counter()}
+        self._step = {"step": step, "wall_s": 0.0, "phases": {}, "calls": {}, "gc": {}, "profiler": {},
+                      "_start": time.perf_counter()}
         self.steps.append(self._step)
 
     def end(self):
@@ -92,6 +103,31 @@ class PhaseClock:
             self._slice_start = now
         self._update()
 
+    def count(self, what, seconds):
+        """One more `what` in this step's profiler counts, [count, inclusive seconds]."""
+        with self._lock:
+            if self._step is not None:
+                n, t = self._step["profiler"].get(what, (0, 0.0))
+                self._step["profiler"][what] = [n + 1, t + seconds]
+
+    def counted(self, kind, fn):
+        """`fn` (a PROFILER_TARGETS callable) counting its calls: a vote as `vote`; a node the operator profiler ran as
+        `timed <op>` where it timed it, `reused` where it had timed its kind before."""
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                what = kind
+                if kind == "node" and len(args) == 6:  # (self, node, args, kwargs, cache_key, cache_hit)
+                    what = "reused" if args[5] else f"timed {getattr(args[1], 'target', '?')}"
+                self.count(what, time.perf_counter() - start)
+
+        wrapper.__warmup_phase__ = kind
+        return wrapper
+
     def _update(self, force=False):
         """Hand the steps so far to on_update at most every update_every_s (a warm-up cut by its deadline keeps
         what it measured until then)."""
@@ -105,6 +141,8 @@ class PhaseClock:
         out = []
         for s in self.steps:
             s = dict(s, phases=dict(s["phases"]), calls=dict(s["calls"]))
+            if "profiler" in s:
+                s["profiler"] = {k: list(v) for k, v in s["profiler"].items()}
             if "gc" in s:
                 s["gc"] = {g: list(v) for g, v in s["gc"].items()}
             if "_start" in s:
@@ -138,8 +176,9 @@ def resolve(module, path):
     return owner, name, getattr(owner, name)
 
 
-def install(clock, targets=TARGETS, deepspeed=True):
-    """Wrap every target importable here with the clock; return the targets that are not (module.attribute)."""
+def install(clock, targets=TARGETS, deepspeed=True, profiler_targets=PROFILER_TARGETS):
+    """Wrap every target importable here with the clock (profiler_targets: counted); return the targets that are not
+    (module.attribute)."""
     missing = []
     for phase, module, path in targets:
         if module.startswith("deepspeed") and not deepspeed:
@@ -151,9 +190,27 @@ def install(clock, targets=TARGETS, deepspeed=True):
             continue
         if getattr(fn, "__warmup_phase__", None) is None:
             setattr(owner, name, clock.timed(phase, fn))
+    for kind, module, path in (profiler_targets if deepspeed else ()):
+        try:
+            owner, name, fn = resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{path}")
+            continue
+        if getattr(fn, "__warmup_phase__", None) is None:
+            setattr(owner, name, clock.counted(kind, fn))
     if clock.gc_callback not in gc.callbacks:
         gc.callbacks.append(clock.gc_callback)
     return missing
+
+
+def profiler_totals(steps):
+    """The profiler counts (PhaseClock.count) over all steps: {what: [count, seconds]}; {} where none were recorded."""
+    out = {}
+    for s in steps:
+        for what, (n, t) in (s.get("profiler") or {}).items():
+            count, seconds = out.get(what, (0, 0.0))
+            out[what] = [count + n, seconds + t]
+    return out
 
 
 def cache_counters():
