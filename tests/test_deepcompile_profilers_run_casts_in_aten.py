@@ -4,9 +4,8 @@ deepcompile-profilers-run-casts-in-aten).
 AOTAutograd's graphs cast with prims.convert_element_type (13 casts a Llama layer, forward and backward). The
 profilers run every node eagerly, and eagerly that op calls its meta function first, which builds a class at every
 call: 0.3-0.6 ms of host time a cast against 10-20 us for aten's _to_copy. At DeepCompile's WARMUP step the profilers
-run each graph six times; at 16 layers of the Llama-3-8B width on one H200 that was 3,174 casts of the step's
-profiling. Now they run a cast as aten's _to_copy: the same tensor (dtype, strides, values, requires_grad), without
-the meta function.
+run each graph three times. Now they run a cast as aten's _to_copy: the same tensor (dtype, strides, values,
+requires_grad), without the meta function.
 
 On the CPU, in one process: both profilers over a graph of casts of dense, permuted, expanded and sliced inputs, to a
 floating and an integer dtype, with the meta function's stride check counted. The graph's outputs must be what prims'
