@@ -186,10 +186,19 @@ def test_a_compile_splits_into_dynamo_and_aot():
     assert abs(sum(step["phases"].values()) - step["wall_s"]) < 1e-6
 
 
-def test_the_table_splits_each_warm_up_and_marks_one_cut_short(tmp_path):
+def _rendered(tmp_path, rows, gpus):
+    """tools/bench's tables of a run of these rows."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
     from test_bench_tool import _cli
     cli = _cli()
+    data = {"device": "d", "gpus": [gpus], "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
+            "steps": 1, "warmup": 1, "rows": [cli.summarize(r, 100.0) for r in rows]}
+    (tmp_path / "bench.json").write_text(json.dumps(data))
+    cli.render(str(tmp_path))
+    return (tmp_path / "bench.md").read_text()
+
+
+def test_the_table_splits_each_warm_up_and_marks_one_cut_short(tmp_path):
     steps = [{"step": 0, "wall_s": 100.0, "phases": {"dynamo": 20.0, "aot": 30.0, "inductor": 40.0, "other": 10.0}},
              {"step": 1, "wall_s": 50.0, "phases": {"dc_profiling": 40.0, "dc_memory_profiling": 5.0, "other": 5.0}}]
     rows = [{"set": "warmup-8b", "subject": "dc-z3", "site": "fork", "deepspeed": "x", "layers": 32,
@@ -198,11 +207,7 @@ def test_the_table_splits_each_warm_up_and_marks_one_cut_short(tmp_path):
              "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 20.0, "warmup_phases": steps[:1],
              "compile_cache_counters": {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 16,
                                         "autograd_cache_bypass": 8}}]
-    data = {"device": "d", "gpus": [4], "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
-            "steps": 1, "warmup": 1, "rows": [cli.summarize(r, 100.0) for r in rows]}
-    (tmp_path / "bench.json").write_text(json.dumps(data))
-    cli.render(str(tmp_path))
-    table = (tmp_path / "bench.md").read_text()
+    table = _rendered(tmp_path, rows, gpus=4)
     assert ("| warmup-8b | dc-z3 | x | 32 | 150.0 (cut short) | 100.0 | 20.0 | 30.0 | 40.0 | 40.0 | 5.0 | 0.0 | 0.0 | "
             "15.0 | 45.0 | - | - |") in table
     assert ("| warmup-8b | fsdp2 | - | 32 | 100.0 | 100.0 | 20.0 | 30.0 | 40.0 | 0.0 | 0.0 | 0.0 | 0.0 | 10.0 | 0.0 | "
@@ -210,9 +215,6 @@ def test_the_table_splits_each_warm_up_and_marks_one_cut_short(tmp_path):
 
 
 def test_the_profiler_table_says_what_the_profiling_timed_and_how_often_it_voted(tmp_path):
-    sys.path.insert(0, os.path.join(REPO, "tests"))
-    from test_bench_tool import _cli
-    cli = _cli()
     steps = [{"step": 0, "wall_s": 10.0, "phases": {"other": 10.0}},
              {"step": 1, "wall_s": 9.0, "phases": {"dc_profiling": 8.0, "other": 1.0},
               "profiler": {"timed invoke_subgraph": [2, 0.8], "timed aten.mm.default": [4, 0.25],
@@ -223,11 +225,7 @@ def test_the_profiler_table_says_what_the_profiling_timed_and_how_often_it_voted
              "first_step_s": 10.0},
              {"set": "blocks-8b-16l", "subject": "fsdp2", "site": "-", "layers": 16, "warmup_phases": steps[:1],
               "blocks": [{"step_s": [1.0]}], "flops_per_step": 1e12, "tokens_per_step": 10, "first_step_s": 10.0}]
-    data = {"device": "d", "gpus": [1], "torch": "t", "transformers": "tf", "peak_tflops": 100.0, "repeats": 1,
-            "steps": 1, "warmup": 1, "rows": [cli.summarize(r, 100.0) for r in rows]}
-    (tmp_path / "bench.json").write_text(json.dumps(data))
-    cli.render(str(tmp_path))
-    table = (tmp_path / "bench.md").read_text()
+    table = _rendered(tmp_path, rows, gpus=1)
     assert ("| blocks-8b-16l | dc-z3-blocks | x | 46 in 1.09 s | invoke_subgraph 2 in 0.80 s, aten.mm.default 4 in "
             "0.25 s, getitem 28 in 0.03 s | 1482 in 0.74 s | 4154 in 1.21 s |") in table
     assert "| blocks-8b-16l | fsdp2 |" not in table.split("Where DeepCompile's profiling went")[1]

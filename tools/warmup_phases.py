@@ -180,7 +180,8 @@ def install(clock, targets=TARGETS, deepspeed=True, profiler_targets=PROFILER_TA
     """Wrap every target importable here with the clock (profiler_targets: counted); return the targets that are not
     (module.attribute)."""
     missing = []
-    for phase, module, path in targets:
+    wrappers = [(clock.timed, t) for t in targets] + [(clock.counted, t) for t in profiler_targets]
+    for wrap, (phase, module, path) in wrappers:
         if module.startswith("deepspeed") and not deepspeed:
             continue
         try:
@@ -189,15 +190,7 @@ def install(clock, targets=TARGETS, deepspeed=True, profiler_targets=PROFILER_TA
             missing.append(f"{module}.{path}")
             continue
         if getattr(fn, "__warmup_phase__", None) is None:
-            setattr(owner, name, clock.timed(phase, fn))
-    for kind, module, path in (profiler_targets if deepspeed else ()):
-        try:
-            owner, name, fn = resolve(module, path)
-        except (ImportError, AttributeError):
-            missing.append(f"{module}.{path}")
-            continue
-        if getattr(fn, "__warmup_phase__", None) is None:
-            setattr(owner, name, clock.counted(kind, fn))
+            setattr(owner, name, wrap(phase, fn))
     if clock.gc_callback not in gc.callbacks:
         gc.callbacks.append(clock.gc_callback)
     return missing
