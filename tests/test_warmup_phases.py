@@ -140,8 +140,8 @@ def test_profiler_nodes_and_votes_are_counted_apart_from_the_phases(clock):
     assert clock.steps[0]["profiler"] == {"vote": [2, 0.5], "timed aten.mm.default": [1, 3.0], "reused": [1, 0.5],
                                           "timed invoke_subgraph": [1, 3.0]}
     assert clock.steps[0]["phases"] == {"dc_profiling": 7.0, "other": 0.0}  # counted, not phases of their own
-    assert warmup_phases.profiler_totals(clock.steps)["vote"] == [3, 0.75]
-    assert warmup_phases.profiler_totals([{"step": 0, "phases": {}}]) == {}  # records made before the counts
+    assert warmup_phases.totals(clock.steps)["profiler"]["vote"] == [3, 0.75]
+    assert warmup_phases.totals([{"step": 0, "wall_s": 1.0, "phases": {}}])["profiler"] == {}  # records before them
 
 
 def test_every_phase_a_target_counts_for_has_a_column():

@@ -196,16 +196,6 @@ def install(clock, targets=TARGETS, deepspeed=True, profiler_targets=PROFILER_TA
     return missing
 
 
-def profiler_totals(steps):
-    """The profiler counts (PhaseClock.count) over all steps: {what: [count, seconds]}; {} where none were recorded."""
-    out = {}
-    for s in steps:
-        for what, (n, t) in (s.get("profiler") or {}).items():
-            count, seconds = out.get(what, (0, 0.0))
-            out[what] = [count + n, seconds + t]
-    return out
-
-
 def cache_counters():
     """What Inductor's FX graph cache and AOTAutograd's cache answered in this process (hits, misses, bypasses): a
     restarted job is warm only where they hit."""
@@ -219,15 +209,17 @@ def cache_counters():
 
 def totals(steps):
     """The phases' seconds over all steps, the wall time, the compile time of the steps after the first (a
-    recompile: DeepCompile ZeRO-3 compiles every graph again at its WARMUP step), and the garbage collections per
-    generation, [count, seconds] (None for steps recorded before collections were counted)."""
-    phases, collections = {}, ({} if any("gc" in s for s in steps) else None)
+    recompile: DeepCompile ZeRO-3 compiles every graph again at its WARMUP step), the garbage collections per
+    generation (None for steps recorded before collections were counted) and the profiler counts ({} before they
+    were), each [count, seconds]."""
+    phases, collections, profiler = {}, ({} if any("gc" in s for s in steps) else None), {}
     for s in steps:
         for k, v in s["phases"].items():
             phases[k] = phases.get(k, 0.0) + v
-        for g, (n, t) in (s.get("gc") or {}).items():
-            count, seconds = collections.get(g, (0, 0.0))
-            collections[g] = [count + n, seconds + t]
+        for summed, counts in ((collections, s.get("gc")), (profiler, s.get("profiler"))):
+            for key, (n, t) in (counts or {}).items():
+                count, seconds = summed.get(key, (0, 0.0))
+                summed[key] = [count + n, seconds + t]
     later = sum(v for s in steps[1:] for k, v in s["phases"].items() if k != "other")
     return {"wall_s": sum(s["wall_s"] for s in steps), "phases": phases, "compile_after_first_step_s": later,
-            "gc": collections}
+            "gc": collections, "profiler": profiler}
