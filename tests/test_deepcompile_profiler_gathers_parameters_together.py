@@ -1,5 +1,5 @@
-"""DeepCompile's operator profiler gathered every ZeRO-3 parameter three times a profile, one at a time (patch
-deepcompile-profiler-gathers-parameters-together).
+"""DeepCompile's operator profiler gathered every ZeRO-3 parameter three times a profile, one at a time (patches
+deepcompile-profiler-gathers-parameters-together, deepcompile-profiler-gathers-only-where-values-are-read).
 
 The profiler gathers, through ZeRO-3's Python all_gather, each partitioned parameter a node reads, and partitions it
 again after the node. DeepCompile's pass has each parameter gathered by its allgather_param, waited for, then read;
@@ -7,7 +7,9 @@ the profiler takes the parameter itself as the gather's output, and the wait pas
 for the gather too, whose op gathers from the partition by itself, then for the wait, then for the node reading it;
 and a node reading several parameters (a compile region's call reads all of a layer's) gathered them one by one,
 each a collective and a device synchronization. At 16 layers of the Llama-3-8B width on 2 H200s the WARMUP step's
-profiling made 3,471 single-parameter gathers.
+profiling made 3,471 single-parameter gathers. Now the node reading the parameters gathers them, all in one call, and
+nodes that pass them on (the wait, the release, an index into a region's outputs, which hold the parameters the
+region's backward reads) gather none.
 
 On the CPU, in one process: layers of three ZeRO-3 parameters, each gathered, waited for and released by DeepCompile's
 ops (their schemas read from the fork's init.cpp, CPU kernels standing in) and the three read by one node, as a
@@ -52,11 +54,15 @@ PROFILE = """
     def block(h, up, gate, down):
         return h + torch.mm(torch.relu(torch.mm(h, up)) * torch.mm(h, gate), down)
 
+    def region(h, up, gate, down):  # a compile region's forward: its output and what its backward reads
+        return block(h, up, gate, down), up, gate, down
+
     # As DeepCompile's ZeRO-3 pass writes a graph: each parameter gathered, waited for, read, then released; a
-    # layer's three read by one node, as a compile region's call reads them. The parameters' dtype is the one
+    # layer's three read by one node, as a compile region's call reads them, which returns them beside its output. The parameters' dtype is the one
     # gathered (a bf16 model's), so the wait gives the node the parameter itself.
     LAYERS = 3
-    graph = torch.fx.Graph()
+    import operator
+    graph, outputs = torch.fx.Graph(), []
     h = x = graph.placeholder("x")
     for layer in range(LAYERS):
         ids = [3 * layer + i for i in range(3)]
@@ -66,10 +72,13 @@ PROFILE = """
             gathered = graph.call_function(torch.ops.dc.allgather_param.default, (w, 0, i),
                                            {"dtype": torch.float32})
             waited.append(graph.call_function(torch.ops.dc.wait_allgather.default, (gathered, 0, i)))
-        h = graph.call_function(block, (h, *waited))
+        out = graph.call_function(region, (h, *waited))
+        h = graph.call_function(operator.getitem, (out, 0))
+        saved = [graph.call_function(operator.getitem, (out, k)) for k in (1, 2, 3)]
         for i in ids:
             graph.call_function(torch.ops.dc.release_param.default, (h, 0, i, 1))
-    graph.output((h, ))
+        outputs += saved
+    graph.output((h, *outputs))
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
 
     # The last layer's down projection stays gathered (ZeRO-3's persistent parameters).
@@ -99,16 +108,16 @@ def test_the_profile_ran_every_node_on_the_gathered_values(report):
     assert report["max_error"] < 1e-5, report
 
 
-def test_deepcompiles_gather_gathers_nothing_in_python(report):
-    # Each parameter is gathered by its wait, whose output the node reading it gets, and by that node (the wait's
-    # output is the parameter itself): twice, not three times; the persistent one stays gathered after its wait.
+def test_only_the_node_reading_a_parameter_gathers_it(report):
+    # Not DeepCompile's gather (its op gathers from the partition), its wait or its release, nor the indexes into the
+    # region's outputs: the region's call alone, once a parameter.
     gathered = [i for kind, ids in report["calls"] if kind == "gather" for i in ids]
-    assert {i: gathered.count(i) for i in range(9)} == {**{i: 2 for i in range(8)}, 8: 1}, report["calls"]
+    assert {i: gathered.count(i) for i in range(9)} == {i: 1 for i in range(9)}, report["calls"]
 
 
 def test_a_nodes_parameters_are_gathered_in_one_call_and_partitioned_in_one(report):
-    together = [ids for kind, ids in report["calls"] if len(ids) > 1]
-    assert together == [[0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5], [6, 7], [6, 7]], report["calls"]
+    assert report["calls"] == [["gather", [0, 1, 2]], ["partition", [0, 1, 2]], ["gather", [3, 4, 5]],
+                               ["partition", [3, 4, 5]], ["gather", [6, 7, 8]], ["partition", [6, 7]]], report["calls"]
 
 
 def test_parameters_are_partitioned_after_the_profile_except_persistent_ones(report):
