@@ -546,6 +546,38 @@ def test_split_trace_says_which_phase_left_which_collective_exposed(tmp_path):
     assert phases["optimizer"]["idle_within_ms"] == 0
 
 
+def test_split_trace_names_each_phases_longest_kernels_and_its_host_ops(tmp_path):
+    """A step the host bounds shows as device idle time, which does not say where the host spent it, nor which
+    kernels made a phase long: each phase lists its longest-running kernels and counts the aten ops the host ran in
+    its range (nested ones too, as the profile's total does)."""
+    import bench_step
+    trace = tmp_path / "t.json"
+
+    def launched(name, ts, dur, corr, at):
+        return [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": at, "dur": 1, "args": {"correlation": corr}},
+                {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}]
+
+    long_name = "void at::native::elementwise_kernel<128, 2, " + "x" * 200
+    events = [{"cat": "user_annotation", "name": "bench:forward", "ts": 0, "dur": 100},
+              {"cat": "user_annotation", "name": "bench:backward", "ts": 100, "dur": 100},
+              *launched("nvjet_gemm", 1000, 600, 1, 10), *launched("nvjet_gemm", 2000, 600, 2, 20),
+              *launched(long_name, 3000, 900, 3, 30), *launched("Memcpy DtoD (Device -> Device)", 4000, 300, 4, 110),
+              *[{"cat": "cpu_op", "name": op, "ts": ts, "dur": 1}
+                for op, ts in (("aten::mm", 10), ("aten::to", 15), ("aten::_to_copy", 16), ("aten::copy_", 110))],
+              {"cat": "cpu_op", "name": "dc::reduce_grad", "ts": 111, "dur": 1},  # not an aten op
+              {"cat": "cpu_op", "name": "aten::add_", "ts": 250, "dur": 1}]  # after the phases
+    trace.write_text(json.dumps({"traceEvents": events}))
+    proc = subprocess.run([sys.executable, TOOL, "--split-trace", str(trace)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    phases = json.loads(proc.stdout)["phases"]  # 3 steps: per step
+    assert phases["forward"]["top_kernels"] == [
+        {"name": "nvjet_gemm", "per_step": pytest.approx(2 / 3), "ms": pytest.approx(1.2 / 3)},
+        {"name": long_name[:bench_step.KERNEL_NAME_CHARS], "per_step": pytest.approx(1 / 3), "ms": pytest.approx(0.3)}]
+    assert [k["name"] for k in phases["backward"]["top_kernels"]] == ["Memcpy DtoD (Device -> Device)"]
+    assert phases["forward"]["host_aten_ops"] == pytest.approx(3 / 3)
+    assert phases["backward"]["host_aten_ops"] == pytest.approx(1 / 3)
+
+
 def test_a_profiled_step_records_its_phases_for_the_trace_split(tmp_path):
     """The phase split reads `bench:` ranges; every kind of subject's step has to record them while profiled, and
     only then."""

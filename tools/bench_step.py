@@ -240,6 +240,8 @@ def uncovered(a, b, union):
 
 
 LONGEST_WAITS = 12
+# The kernels a phase's split names (by device time), each by the first characters of its name.
+TOP_KERNELS, KERNEL_NAME_CHARS = 10, 120
 
 
 def split_chrome_trace(path, steps=PROFILED_STEPS):
@@ -251,7 +253,9 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
     that launched the kernel: forward, backward, optimizer): the same split, the exposed communication of each
     collective (its kernel's name up to the argument list; a collective overlapping another counts in both), the
     trace's longest single waits, each with its offset into its phase, and where the device sat idle: within each
-    phase, and before its first kernel since the phase before it ended."""
+    phase, and before its first kernel since the phase before it ended; its longest-running kernels by name, with
+    their launches and time a step; and the aten ops the host ran in it a step (those the ops call included), where
+    a step bound by the host spends its time."""
     with open(path) as f:
         events = json.load(f).get("traceEvents", [])
     device_events = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -283,8 +287,11 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
         name, i = range_of(e)
         if i is not None:
             by_range.setdefault(i, []).append((a, b))
-        row = split["phases"].setdefault(name, {"spans": [], "exposed_by_collective": {}})
+        row = split["phases"].setdefault(name, {"spans": [], "exposed_by_collective": {}, "kernels": {}})
         row["spans"].append((a, b, cat))
+        kernel = row["kernels"].setdefault(e["name"][:KERNEL_NAME_CHARS], {"per_step": 0.0, "ms": 0.0})
+        kernel["per_step"] += 1 / steps
+        kernel["ms"] += (b - a) / 1e3 / steps
         if cat == "communication":
             collective = e["name"].split("(")[0][:80]
             got = row["exposed_by_collective"].setdefault(collective, {"per_step": 0.0, "ms": 0.0,
@@ -300,8 +307,11 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
         split["phases"][name].setdefault("longest_waits", []).append(
             {"exposed_ms": wait / 1e3, "collective_ms": (b - a) / 1e3, "collective": collective,
              "at_ms": (a - first_kernel[i]) / 1e3 if i is not None else None})
+    host_ops = sorted(e["ts"] for e in events if e.get("cat") == "cpu_op" and e.get("name", "").startswith("aten::"))
     for row in split["phases"].values():
         spans = row.pop("spans")
+        top = sorted(row.pop("kernels").items(), key=lambda kv: -kv[1]["ms"])[:TOP_KERNELS]
+        row["top_kernels"] = [dict(name=k, **v) for k, v in top]
         row["device_ms"] = {}
         for a, b, cat in spans:
             row["device_ms"][cat] = row["device_ms"].get(cat, 0.0) + (b - a) / 1e3 / steps
@@ -319,6 +329,11 @@ def split_chrome_trace(path, steps=PROFILED_STEPS):
         if last_end is not None:
             row["idle_before_ms"] = row.get("idle_before_ms", 0.0) + max(0.0, first - last_end) / 1e3 / steps
         last_end = last if last_end is None else max(last_end, last)
+    for start, end, name in ranges:
+        if name in split["phases"]:
+            ops = bisect.bisect_right(host_ops, end) - bisect.bisect_left(host_ops, start)
+            row = split["phases"][name]
+            row["host_aten_ops"] = row.get("host_aten_ops", 0.0) + ops / steps
     return split
 
 
