@@ -58,8 +58,8 @@ PROFILE = """
         return block(h, up, gate, down), up, gate, down
 
     # As DeepCompile's ZeRO-3 pass writes a graph: each parameter gathered, waited for, read, then released; a
-    # layer's three read by one node, as a compile region's call reads them, which returns them beside its output. The parameters' dtype is the one
-    # gathered (a bf16 model's), so the wait gives the node the parameter itself.
+    # layer's three read by one node, as a compile region's call reads them, which returns them beside its output.
+    # The parameters' dtype is the one gathered (a bf16 model's), so the wait gives the node the parameter itself.
     LAYERS = 3
     import operator
     graph, outputs = torch.fx.Graph(), []

@@ -1,4 +1,5 @@
-"""DeepCompile's profilers voted at one rank as at several (patch deepcompile-profilers-vote-alone-without-a-collective).
+"""DeepCompile's profilers voted at one rank as at several (patch
+deepcompile-profilers-vote-alone-without-a-collective).
 
 Before a node that may communicate, the profilers' ranks vote: an all-reduce whose result the host reads, waiting for
 the device to finish all it was given. A rank alone in its group has nothing to agree on, yet voted: 4,154 votes at
