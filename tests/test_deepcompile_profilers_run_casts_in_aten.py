@@ -17,7 +17,10 @@ import pytest
 import cpu_worker
 from test_deepcompile_profiler_times_each_gather_shape_once import PROFILERS_ON_CPU
 
-CASTS = """
+# Inputs and the dtypes they are cast to, with prims' stride check counted in `checks`; `same(outs)` tells whether outs
+# are what prims' own casts of them return. Shared with test_deepcompile_profilers_run_region_casts_in_aten.py.
+COUNTED_CASTS = """
+    import operator
     import torch._prims_common as prims_common
 
     checks = []
@@ -32,11 +35,6 @@ CASTS = """
     base = torch.randn(4, 6, 8)
     inputs = [base.clone().requires_grad_(), base.permute(2, 0, 1), torch.randn(1, 8).expand(5, 8), base[1:, ::2]]
     dtypes = [torch.bfloat16, torch.float64, torch.int32]
-
-    graph = torch.fx.Graph()
-    xs = [graph.placeholder(f"x{i}") for i in range(len(inputs))]
-    graph.output(tuple(graph.call_function(cast, (x, dtype)) for x in xs for dtype in dtypes))
-    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     casts = len(inputs) * len(dtypes)
     expected = [cast(x, dtype) for x in inputs for dtype in dtypes]
     assert len(checks) >= casts  # prims' own cast runs its meta function's check, once or twice a cast
@@ -45,6 +43,13 @@ CASTS = """
         return len(outs) == casts and all(
             o.dtype == e.dtype and o.stride() == e.stride() and o.requires_grad == e.requires_grad and torch.equal(o, e)
             for o, e in zip(outs, expected))
+"""
+
+CASTS = COUNTED_CASTS + """
+    graph = torch.fx.Graph()
+    xs = [graph.placeholder(f"x{i}") for i in range(len(inputs))]
+    graph.output(tuple(graph.call_function(cast, (x, dtype)) for x in xs for dtype in dtypes))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
 
     report = {}
     for name, profiler in (("operator", graph_profile.ProfilingInterpreter),

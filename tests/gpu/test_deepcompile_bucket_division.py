@@ -19,8 +19,8 @@ import pytest
 from test_deepcompile_z1_bucket_reduction import LAYERS, RTOL, run
 
 
-@pytest.mark.parametrize("nprocs", [1, 2])
-@pytest.mark.parametrize("stage", [2, 3])
+# ZeRO-2 at one rank fills no bucket (test_deepcompile_z2_alone_adds_gradients_in_place.py)
+@pytest.mark.parametrize("stage, nprocs", [(2, 2), (3, 1), (3, 2)])
 def test_the_division_of_a_flush_does_not_grow_with_the_parameter_count(stage, nprocs):
     runs = run(nprocs, stage)
     small, large = (runs[n][0]["deepcompile"] for n in LAYERS)

@@ -21,12 +21,15 @@ from test_deepcompile_z1_bucket_reduction import LAYERS, RTOL, run
 BUCKET_OPS = ("aten::copy_", "aten::div_", "aten::_foreach_add_")
 
 
-def test_one_rank_adds_each_gradient_to_its_buffer_without_a_bucket():
-    runs = run(1)
+def assert_each_gradient_added_in_place(stage):
+    """At one rank, DeepCompile ZeRO-`stage` adds each gradient to its buffer once and fills no bucket; its losses and
+    gradient norms stay eager ZeRO-`stage`'s."""
+    runs = run(1, stage)
     for n in LAYERS:
         dc, eager = runs[n][0]["deepcompile"], runs[n][0]["eager"]
         ops = dc["ops_of_one_step"]
-        print(f"\n{dc['params']} parameter tensors, ops called by DeepCompile's reduction in one step: {ops}")
+        print(f"\nZeRO-{stage}, {dc['params']} parameter tensors, ops called by DeepCompile's reduction in one step: "
+              f"{ops}")
         assert dc["deepcompile_active"]
         assert ops["dc::reduce_grad"] == dc["params"], ops  # one gradient a parameter, one micro-batch
         assert ops.get("aten::add_", 0) == ops["dc::reduce_grad"], ops
@@ -34,3 +37,7 @@ def test_one_rank_adds_each_gradient_to_its_buffer_without_a_bucket():
         assert len(dc["grad_norms"]) == len(eager["grad_norms"]) > 0
         for got, want in zip(dc["grad_norms"] + dc["losses"], eager["grad_norms"] + eager["losses"]):
             assert math.isfinite(got) and abs(got - want) <= RTOL * abs(want), (n, dc, eager)
+
+
+def test_one_rank_adds_each_gradient_to_its_buffer_without_a_bucket():
+    assert_each_gradient_added_in_place(stage=1)
