@@ -11,7 +11,7 @@ a copy of its graph with aten casts, made once a region, where autograd is off (
 On the CPU, in one process: both profilers over a graph that calls one region twice, the region casting dense,
 permuted, expanded and sliced inputs to a floating and an integer dtype, with prims' stride check counted. With
 autograd off no cast reaches prims and the outputs are what prims' own casts return; with autograd on (the region then
-runs as it is) their dtypes, strides and values are.
+runs as it is) their dtypes, strides and values are. The copies die with their regions, also a region without casts.
 """
 
 import pytest
@@ -50,6 +50,22 @@ REGION_CASTS = COUNTED_CASTS + """
             report[f"{name}, autograd {'on' if grad else 'off'}"] = dict(
                 meta_checks=len(checks), same=all(map(same_values if grad else same, (outs[:casts], outs[casts:]))),
                 incomplete=graph_profile.is_profile_incomplete(gm.graph))
+
+    # The profilers keep a region's copy only as long as the region lives, also for a region without casts.
+    import gc, weakref
+    plain = torch.fx.Graph()
+    x = plain.placeholder("x")
+    plain.output((plain.call_function(torch.ops.aten.mul.Tensor, (x, x)), ))
+    root.plain = torch.fx.GraphModule(torch.nn.Module(), plain)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(invoke_subgraph, (graph.get_attr("plain"), "plain", x)), ))
+    with torch.no_grad(), FakeTensorMode():
+        graph_profile.MemoryProfilingInterpreter(torch.fx.GraphModule(root, graph)).run(inputs[0])
+    refs = {name: weakref.ref(getattr(root, name)) for name in ("region", "plain")}
+    del root, gm, graph, region_graph, plain, region, calls, x, xs, outs  # graphs, nodes and outputs refer to them
+    gc.collect()
+    report["regions alive"] = [name for name, ref in refs.items() if ref() is not None]
     print("REGION_CASTS " + json.dumps(report))
 """
 
@@ -72,3 +88,7 @@ def test_profilers_region_casts_return_what_prims_casts_return(report, profiler,
     run = report[f"{profiler}, autograd {autograd}"]
     assert not run["incomplete"], report
     assert run["same"], report
+
+
+def test_profilers_keep_no_region_alive(report):
+    assert report["regions alive"] == [], report
