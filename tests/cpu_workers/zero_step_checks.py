@@ -10,7 +10,8 @@ Per case (zero stage, where to put a non-finite value: none, or (tensor index, e
 the value is written into one element of one parameter's gradient by a tensor hook, before ZeRO takes it. Recorded:
 whether the step was skipped (every parameter unchanged), the optimizer's overflow flag, the global gradient norm
 it computed (with gradient clipping) next to one computed without DeepSpeed, and how many aten ops the overflow
-check and the norm dispatched, and the largest tensor they allocated. Prints one line "ZERO_STEP_CHECKS <json>".
+check and the norm dispatched and how many calls of torch's API they made, and the largest tensor they allocated.
+Prints one line "ZERO_STEP_CHECKS <json>".
 """
 
 import json
@@ -20,6 +21,7 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu", "workers"))
@@ -80,6 +82,19 @@ class CountOps(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel() * t.element_size())
         return out
+
+
+class CountCalls(TorchFunctionMode):
+    """Counts the calls of torch's Python API (functions, tensor methods and properties): host work an aten op count
+    misses, such as a .to() that returns its tensor as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 class StepHostWork:
@@ -192,16 +207,17 @@ def run_case(name):
     engine, optimizer, _, _ = deepspeed.initialize(model=model,
                                                    optimizer=torch.optim.SGD(params, lr=0.1),
                                                    config=config)
-    counters = {}
+    counters, calls = {}, {}
     # ZeRO-0's mixed-precision optimizers check overflow through their CheckOverflow object.
     checker = getattr(optimizer, "overflow_checker", None)
     zero0 = [(checker, "has_overflow_serial"), (optimizer, "unscale_and_clip_grads"), (optimizer, "step")]
     for owner, method in [(optimizer, m) for m in COUNTED] + (zero0 if stage == 0 else []):
         if owner is not None and hasattr(owner, method):
             counters[method] = counter = CountOps()
+            calls[method] = call_counter = CountCalls()
 
-            def counted(*args, _call=getattr(owner, method), _counter=counter, **kwargs):
-                with _counter:
+            def counted(*args, _call=getattr(owner, method), _counter=counter, _calls=call_counter, **kwargs):
+                with _calls, _counter:
                     return _call(*args, **kwargs)
 
             setattr(owner, method, counted)
@@ -232,6 +248,7 @@ def run_case(name):
         "zero3_check": direct_check,
         "skipped": all(torch.equal(a, b) for a, b in zip(before, after)),
         "ops": {method: counter.count for method, counter in counters.items()},
+        "calls": {method: counter.count for method, counter in calls.items()},
         "host_reads": {method: counter.reads for method, counter in counters.items()},
         "copies": {method: counter.copies for method, counter in counters.items()},
         "largest_bytes": {method: counter.largest for method, counter in counters.items()},
