@@ -37,8 +37,8 @@ REGION_CASTS = COUNTED_CASTS + """
     gm = torch.fx.GraphModule(root, graph)
 
     def same_values(outs):  # with autograd on, the region's call makes every floating output require gradients
-        return len(outs) == casts and all(
-            o.dtype == e.dtype and o.stride() == e.stride() and torch.equal(o.detach(), e) for o, e in zip(outs, expected))
+        return len(outs) == casts and all(o.dtype == e.dtype and o.stride() == e.stride() and torch.equal(o.detach(), e)
+                                          for o, e in zip(outs, expected))
 
     report = {}
     for grad in (False, True):
