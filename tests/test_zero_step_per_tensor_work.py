@@ -54,7 +54,7 @@ def test_a_non_finite_gradient_anywhere_skips_the_step(small, case):
     assert rec["skipped"] is (injection is not None), rec
 
 
-@pytest.mark.parametrize("case", ["z0_clip", "z1_clip", "z2_clip", "z3_clip"])
+@pytest.mark.parametrize("case", ["z0_clip", "z1_clip", "z2_clip", "z3_clip", "z3_frozen_in_optimizer"])
 def test_the_gradient_norm_is_that_of_the_gradients(small, case):
     """The global norm the optimizer computed equals the norm of the same step's gradients without DeepSpeed,
     accumulated in fp64; ZeRO-1/2 round the sum of squares to fp32 before the root (as 0.19.8 does), hence the
@@ -237,3 +237,65 @@ def test_the_zero3_overflow_check_allocates_nothing_the_size_of_the_gradients(sm
         assert rec["largest_bytes"]["has_overflow"] <= 8, rec["largest_bytes"]
         assert rec["zero3_check"] is False
     assert small["z3_inf_first_tensor"]["zero3_check"] is True
+
+
+def fp32_passes(rec):
+    return [op for op, dtype in rec["partition_passes"]["passes"] if dtype == "float32"]
+
+
+@pytest.mark.parametrize("case", ["z1_clip", "z2_clip", "z3_clip", "z3_clean"])
+def test_zero_step_unscales_gradients_as_it_casts_them(small, case):
+    """Patch zero-step-unscales-gradients-as-it-casts-them: the step cast the gradient partition to fp32 and then
+    multiplied the fp32 copy by 1 / (loss scale x clip coefficient) in place, two passes over every trained parameter
+    (ZeRO-3 also multiplied by 1 without clipping). Now one op makes the fp32 gradient, unscaled. It must still be an
+    fp32 product: with clipping most of its elements need more mantissa than bf16 has (a factor that type promotion
+    let round the product to bf16 would make it 0)."""
+    rec = small[case]
+    assert fp32_passes(rec) == (["mul"] if case.endswith("clip") else ["_to_copy"]), rec["partition_passes"]
+    assert rec["partition_passes"]["fp32_grad_dtype"] == "float32"
+    if case.endswith("clip"):
+        assert rec["partition_passes"]["fp32_grad_beyond_bf16"] > 0.5, rec["partition_passes"]
+
+
+@pytest.mark.parametrize("case", ["z3_clip", "z3_clean"])
+def test_zero3_step_casts_gradients_without_flattening_them(small, case):
+    """Patch zero3-step-casts-gradients-without-flattening-them: ZeRO-3 flattened the sub-group's gradient partitions
+    (a bf16 copy of all of them) before casting, though they lie back to back in its flat gradient buffer. Now no
+    bf16 pass over the partition before the optimizer steps."""
+    passes = small[case]["partition_passes"]["passes"]
+    assert [op for op, dtype in passes if dtype == "bfloat16"] == [], passes
+    assert fp32_passes(small[case]), passes
+
+
+def test_zero3_step_flattens_the_gradients_where_a_parameter_stopped_taking_them(small):
+    """A parameter frozen after the optimizer was built gets zeros outside ZeRO-3's flat gradient buffer, so the
+    sub-group's gradients no longer lie back to back there: the step flattens them as before (a bf16 copy, then one
+    fp32 pass) and clips by the norm of the others' gradients (the norm test above)."""
+    rec = small["z3_frozen_in_optimizer"]
+    assert rec["partition_passes"]["passes"] == [["cat", "bfloat16"], ["mul", "float32"]], rec["partition_passes"]
+
+
+def test_one_pass_unscale_equals_the_cast_then_multiply_to_the_bit():
+    """The step's one-pass unscale, torch.mul of the 16-bit gradients by factor_for_dtype(factor, float32), against
+    0.19.8's cast to fp32 then in-place multiply: the same bits for bf16 and fp16 gradients (signed zeros, the largest
+    values, inf and NaN among them) and each kind of factor the step has (a 0-dim tensor of the norm's fp64 or fp32, a
+    number where only a loss scale applies). A factor left as a number or a 0-dim tensor would round the product to
+    the gradients' dtype: shown with a factor that is not a power of two."""
+    run_utils("""
+        import math
+        import torch
+        from deepspeed.runtime.zero.utils import factor_for_dtype
+
+        torch.manual_seed(0)
+        for dtype in (torch.bfloat16, torch.float16):
+            grads = (torch.randn(4099) * 3).to(dtype)
+            grads[:6] = torch.tensor([0.0, -0.0, torch.finfo(dtype).max, -torch.finfo(dtype).max, math.inf, math.nan])
+            for factor in (torch.tensor(1 / 3.7, dtype=torch.float64), torch.tensor(0.0123), 1 / 1024.0, 1 / 3.0):
+                two_passes = grads.to(torch.float32)
+                two_passes.mul_(factor)
+                one_pass = torch.mul(grads, factor_for_dtype(factor, torch.float32, grads.device))
+                assert one_pass.dtype == torch.float32, one_pass.dtype
+                assert torch.equal(one_pass.view(torch.int32), two_passes.view(torch.int32)), (dtype, factor)
+                if float(factor) != 1 / 1024.0:
+                    assert not torch.equal(torch.mul(grads, factor).float()[6:], two_passes[6:]), (dtype, factor)
+    """)

@@ -10,7 +10,8 @@ Per case (zero stage, where to put a non-finite value: none, or (tensor index, e
 the value is written into one element of one parameter's gradient by a tensor hook, before ZeRO takes it. Recorded:
 whether the step was skipped (every parameter unchanged), the optimizer's overflow flag, the global gradient norm
 it computed (with gradient clipping) next to one computed without DeepSpeed, and how many aten ops the overflow
-check and the norm dispatched and how many calls of torch's API they made, and the largest tensor they allocated.
+check and the norm dispatched and how many calls of torch's API they made, and the largest tensor they allocated;
+ZeRO-1/2/3: the passes over the whole gradient partition before the optimizer steps, and the fp32 gradient it gets.
 Prints one line "ZERO_STEP_CHECKS <json>".
 """
 
@@ -47,6 +48,7 @@ CASES = {
     "z2_nan_middle_tensor": (2, (LAYERS, 5, math.nan), 0.0),
     "z1_neg_inf_last_element": (1, (-1, -1, -math.inf), 0.0),
     "z2_neg_inf_last_element": (2, (-1, -1, -math.inf), 0.0),
+    "z3_clean": (3, None, 0.0),
     "z3_inf_first_tensor": (3, (0, 0, math.inf), 0.0),
     "z1_clip": (1, None, 1e-3),
     "z2_clip": (2, None, 1e-3),
@@ -54,11 +56,16 @@ CASES = {
     "z2_clip_nan": (2, (3, 0, math.nan), 1e-3),
     "z1_moved_param": (1, None, 0.0),
     "z2_moved_param": (2, None, 0.0),
+    "z3_frozen_in_optimizer": (3, None, 1e-3),
 }
 # Cases whose parameter MOVED_PARAM gets new data (a clone) between backward and step, as a .to() or an assigning
 # load_state_dict would: the step must point it at the optimizer's flat buffer again, updated.
 MOVED = ("z1_moved_param", "z2_moved_param")
 MOVED_PARAM = 5
+# Cases whose parameter FROZEN_PARAM stops taking gradients after the optimizer was built (a layer frozen during
+# training): ZeRO-3 gives it zeros outside its flat gradient buffer.
+FROZEN = ("z3_frozen_in_optimizer", )
+FROZEN_PARAM = 2
 # The optimizer methods whose dispatched aten ops are counted.
 COUNTED = ("has_overflow_partitioned_grads_serial", "get_grad_norm_direct", "has_overflow", "_update_model_bit16_weights")
 
@@ -95,6 +102,57 @@ class CountCalls(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class PartitionPasses(TorchDispatchMode):
+    """Records each aten op but views that returns a tensor of `numel` elements, the size of the optimizer's flat
+    gradient partition (a pass over all of it), until the optimizer's first _optimizer_step: (op, dtype) in order.
+    That method is wrapped to stop the record and to note the fp32 gradient it is given."""
+
+    def __init__(self, optimizer, numel, fp32_grad):
+        super().__init__()
+        self.numel, self.passes, self.stepped = numel, [], False
+        self.optimizer, self.fp32_grad, self.grad = optimizer, fp32_grad, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out, ):
+            if not self.stepped and not func.is_view and isinstance(t, torch.Tensor) and t.numel() == self.numel:
+                self.passes.append([func.overloadpacket.__name__, str(t.dtype).replace("torch.", "")])
+        return out
+
+    def _step(self, *args, _step, **kwargs):
+        if not self.stepped:
+            self.stepped = True
+            self.grad = self.fp32_grad().detach().clone()
+        return _step(*args, **kwargs)
+
+    def __enter__(self):
+        step = self.optimizer._optimizer_step
+        self.optimizer._optimizer_step = lambda *a, **k: self._step(*a, _step=step, **k)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del self.optimizer._optimizer_step
+        return super().__exit__(*exc)
+
+    def report(self):
+        # With clipping the fp32 gradient is the bf16 one times a factor in fp32: most of its elements then need
+        # more than bf16's 8 bits of mantissa. A product rounded to bf16 would need none.
+        beyond_bf16 = None
+        if self.grad is not None and self.grad.numel():
+            beyond_bf16 = (self.grad != self.grad.bfloat16().float()).float().mean().item()
+        return {"passes": self.passes, "fp32_grad_dtype": str(self.grad.dtype).replace("torch.", ""),
+                "fp32_grad_beyond_bf16": beyond_bf16}
+
+
+def partition_passes(optimizer, stage):
+    """PartitionPasses over the first (here: the only) group's fp32 gradient partition."""
+    if stage == 3:
+        flat = optimizer.fp32_partitioned_groups_flat[0]
+    else:
+        flat = optimizer.single_partition_of_fp32_groups[0]
+    return PartitionPasses(optimizer, flat.numel(), lambda: flat.grad)
 
 
 class StepHostWork:
@@ -159,13 +217,15 @@ def build_model():
     return nn.Sequential(*layers)
 
 
-def reference_grad_norm(injection):
+def reference_grad_norm(injection, frozen=False):
     """The global L2 norm of the gradients of the same step without DeepSpeed, accumulated in fp64."""
     model = build_model().to(torch.bfloat16)
+    if frozen:
+        list(model.parameters())[FROZEN_PARAM].requires_grad_(False)
     torch.manual_seed(1)
     x = torch.randn(BATCH, WIDTH, dtype=torch.bfloat16)
     model(x).float().pow(2).mean().backward()
-    norms = [torch.linalg.vector_norm(p.grad.double()) for p in model.parameters()]
+    norms = [torch.linalg.vector_norm(p.grad.double()) for p in model.parameters() if p.grad is not None]
     return torch.stack(norms).pow(2).sum().sqrt().item()
 
 
@@ -207,6 +267,8 @@ def run_case(name):
     engine, optimizer, _, _ = deepspeed.initialize(model=model,
                                                    optimizer=torch.optim.SGD(params, lr=0.1),
                                                    config=config)
+    if name in FROZEN:
+        params[FROZEN_PARAM].requires_grad_(False)
     counters, calls = {}, {}
     # ZeRO-0's mixed-precision optimizers check overflow through their CheckOverflow object.
     checker = getattr(optimizer, "overflow_checker", None)
@@ -233,8 +295,12 @@ def run_case(name):
     if name in MOVED:
         params[MOVED_PARAM].data = params[MOVED_PARAM].data.clone()
     host_work = StepHostWork(optimizer)
+    passes = partition_passes(optimizer, stage) if stage else None
     if stage == 3:
-        with host_work:
+        with host_work, passes:
+            engine.step()
+    elif stage:
+        with passes:
             engine.step()
     else:
         engine.step()
@@ -253,10 +319,11 @@ def run_case(name):
         "copies": {method: counter.copies for method, counter in counters.items()},
         "largest_bytes": {method: counter.largest for method, counter in counters.items()},
         "zero3_step_host_work": host_work.report() if stage == 3 else None,
+        "partition_passes": passes.report() if passes is not None and passes.stepped else None,
         "aliases_flat_buffer": aliases_flat_buffer(optimizer) if stage in (1, 2) else None,
         "moved_param_updated": (not torch.equal(before[MOVED_PARAM], after[MOVED_PARAM])) if name in MOVED else None,
         "grad_norm": None if norm is None else float(norm),
-        "reference_grad_norm": reference_grad_norm(injection) if clipping and injection is None else None,
+        "reference_grad_norm": reference_grad_norm(injection, name in FROZEN) if clipping and injection is None else None,
     }
 
 

@@ -33,8 +33,16 @@ FACTORS = {
     "model": ("dense", "moe"),
 }
 NAMES = tuple(FACTORS)
-# Cells run in addition to the design (a configuration a report names).
-EXTRA_CELLS = ()
+# Cells run in addition to the design (a configuration a report names, or a patch's path the pairs leave out).
+_BF16_CLIP = dict(precision="bf16", overlap_comm=False, contiguous_gradients=True, reduce_scatter=True,
+                  multi_rank_bucket_allreduce=True, grad_accum=1, clip=1.0, frozen=False, offload="none", model="dense")
+EXTRA_CELLS = (
+    # bf16 gradients clipped without offload: the step unscales them as it casts them to fp32, in one pass
+    # (zero-step-unscales-gradients-as-it-casts-them); no pair of levels calls for these three together.
+    dict(_BF16_CLIP, stage=1),
+    dict(_BF16_CLIP, stage=2, overlap_comm=True, grad_accum=2),
+    dict(_BF16_CLIP, stage=3),
+)
 
 # Cells a fork patch changes on purpose, against a build without it: patch file -> (which cells, why). Such a cell is
 # compared through its first optimizer step only (the micro-batches before any update, and that step's gradient norm,
